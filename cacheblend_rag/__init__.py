@@ -1,0 +1,25 @@
+"""cacheblend_rag: fast RAG by fusing the cached KV of retrieved chunks (CacheBlend) on HF transformers."""
+
+from .engine import CacheBlendEngine, Generation, Prefill
+from .errors import (
+    CacheBlendError,
+    CacheFormatError,
+    ChunkError,
+    ConfigError,
+    MissingDependencyError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    UnsupportedModelError,
+)
+from .fuse.layout import PromptTemplate
+from .fuse.policies import METHODS, CacheBlend, FullPrefill, FullReuse, PrefixCache, make_policy
+from .ingest.chunks import Chunk, chunk_id
+from .models.loader import DEFAULT_MODEL, load_model
+
+__all__ = [
+    "DEFAULT_MODEL", "METHODS", "CacheBlend", "CacheBlendEngine", "CacheBlendError", "CacheFormatError", "Chunk",
+    "ChunkError", "ConfigError", "FullPrefill", "FullReuse", "Generation", "MissingDependencyError",
+    "ModelNotFoundError", "Prefill", "PrefixCache", "PromptTemplate", "PromptTooLongError",
+    "UnsupportedModelError", "chunk_id", "load_model", "make_policy",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,396 @@
+"""CacheBlendEngine: ingest chunks (precompute their KV), then answer with fused KV + selective recompute."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .decode.generate import SamplingSettings, cut_at_stop, decode
+from .errors import ChunkError, ConfigError, PromptTooLongError
+from .fuse.layout import PromptTemplate, assemble
+from .fuse.loop import run_layers
+from .fuse.policies import CacheBlend, FullReuse, Policy, Reuse, make_policy
+from .fuse.sequence import FusedSequence, Placement
+from .ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
+from .models.adapter import get_adapter
+from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
+from .models.loader import DEFAULT_MODEL, load_model
+from .store import ChunkKV, KVKey, KVStore, open_store
+
+logger = logging.getLogger(__name__)
+
+LEAD_INS = ("prefix", "bos", "none")
+
+
+@dataclass
+class Prefill:
+    """A fused prefill: next-token logits after the prompt, the fused KV for decoding, and stats."""
+
+    logits: torch.Tensor  # (vocab,) float32
+    stats: dict
+    token_ids: torch.Tensor  # (N,)
+    keys: list[torch.Tensor] = field(repr=False)  # per layer (N, kv_heads, d), after RoPE
+    values: list[torch.Tensor] = field(repr=False)
+    chunk_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Generation:
+    """Generated text with the prefill's stats."""
+
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    stats: dict
+
+
+class CacheBlendEngine:
+    """A local generator that reuses chunk KV caches: full prefill, prefix cache, full reuse or CacheBlend."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        kv_store: KVStore | str | os.PathLike[str] | None = None,
+        *,
+        template: PromptTemplate | None = None,
+        lead_in: str = "prefix",
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = get_adapter(model)
+        self.kv_store: KVStore = open_store(kv_store)
+        self.template = template or PromptTemplate()
+        if lead_in not in LEAD_INS:
+            raise ConfigError(f"lead_in must be one of {LEAD_INS}, got {lead_in!r}")
+        self.lead_in = lead_in
+        self.lead_in_ids = self._lead_in_ids(lead_in)
+        self.fingerprint = f"{model_fingerprint(model)}{tokenizer_fingerprint(tokenizer)}"
+        self.namespace = self._namespace(self.lead_in_ids)
+        self._chunks: dict[str, Chunk] = {}
+        self._lock = threading.RLock()  # one request at a time on the model: callers serialise
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str = DEFAULT_MODEL,
+        kv_store: KVStore | str | os.PathLike[str] | None = None,
+        *,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        home: str | os.PathLike[str] | None = None,
+        **kwargs,
+    ) -> "CacheBlendEngine":
+        """Load a packaged or local model offline and build an engine on it."""
+        model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, home=home)
+        return cls(model, tokenizer, kv_store, **kwargs)
+
+    # ---- keys and namespaces ------------------------------------------------------------
+
+    def _lead_in_ids(self, lead_in: str) -> list[int]:
+        if lead_in == "prefix":
+            return self.template.prefix_ids(self.tokenizer)
+        if lead_in == "bos":
+            bos = self.tokenizer.bos_token_id
+            return [bos] if bos is not None else []
+        return []
+
+    def _namespace(self, lead_in_ids: Sequence[int]) -> str:
+        """Fingerprint of model, tokenizer and lead-in: every KV it names was computed under all three."""
+        h = hashlib.sha256(self.fingerprint.encode())
+        h.update(torch.tensor(list(lead_in_ids), dtype=torch.int64).numpy().tobytes())
+        return h.hexdigest()[:24]
+
+    @staticmethod
+    def _segment_id(token_ids: Sequence[int]) -> str:
+        return "seg-" + hashlib.sha256(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()[:32]
+
+    # ---- precompute ---------------------------------------------------------------------
+
+    def _device_kv(self, kv: ChunkKV) -> ChunkKV:
+        return kv.to(device=self.adapter.device, dtype=self.adapter.dtype)
+
+    def _compute_kv(self, token_ids: torch.Tensor, lead_in: ChunkKV | None) -> ChunkKV:
+        """KV of `token_ids` prefilled right after the lead-in whose KV is given (or from position 0)."""
+        lead_ids = lead_in.token_ids if lead_in is not None else torch.empty(0, dtype=torch.long)
+        ids = torch.cat([lead_ids.cpu(), token_ids.cpu()]).to(self.adapter.device)
+        placements = [Placement(0, self._device_kv(lead_in), exact=True)] if lead_in is not None else []
+        seq = self._sequence(ids, torch.full_like(ids, -1), placements)
+        result = run_layers(self.adapter, seq, FullReuse(), ~seq.cached, record_fresh=True)
+        return ChunkKV(
+            keys=tuple(k.cpu() for k in result.fresh_keys),
+            values=tuple(v.cpu() for v in result.fresh_values),
+            token_ids=token_ids.cpu(),
+            positions_start=int(lead_ids.numel()),
+        )
+
+    def _exact_segment(self, token_ids: Sequence[int]) -> ChunkKV:
+        """KV of a segment that starts at position 0 (prefix, lead-in): exact, cached in the store."""
+        key = KVKey(self._namespace([]), self._segment_id(token_ids))
+        kv = self.kv_store.get(key)
+        if kv is None:
+            kv = self._compute_kv(torch.tensor(list(token_ids), dtype=torch.long), None)
+            self.kv_store.put(key, kv)
+        return kv
+
+    def _chunk_kv(self, chunk: Chunk, lead_in_ids: Sequence[int], namespace: str, *, compute: bool) -> ChunkKV | None:
+        """The chunk's KV after a lead-in: from the store, else computed and stored (if `compute`)."""
+        key = KVKey(namespace, chunk.chunk_id)
+        kv = self.kv_store.get(key)
+        if kv is not None and torch.equal(kv.token_ids, chunk.token_ids):
+            return kv
+        if not compute:
+            return None
+        lead = self._exact_segment(lead_in_ids) if lead_in_ids else None
+        kv = self._compute_kv(chunk.token_ids, lead)
+        self.kv_store.put(key, kv)
+        return kv
+
+    def ingest(self, texts: Iterable[str], *, show_progress: bool = True) -> list[str]:
+        """Precompute and store the KV of each chunk (skipping stored ones); returns their chunk ids."""
+        chunks = [self._register(make_chunk(t, self.tokenizer)) for t in texts]
+        with self._lock:
+            for chunk in tqdm(chunks, desc="precompute chunk KV", unit="chunk", disable=not show_progress):
+                if not self.kv_store.contains(KVKey(self.namespace, chunk.chunk_id)):
+                    self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
+        return [c.chunk_id for c in chunks]
+
+    def _register(self, chunk: Chunk) -> Chunk:
+        self._chunks[chunk.chunk_id] = chunk
+        return chunk
+
+    def resolve_chunk(self, item: str | Chunk) -> Chunk:
+        """A chunk from its text, its id (known to this engine or its store), or a Chunk."""
+        if isinstance(item, Chunk):
+            return self._register(item)
+        if not isinstance(item, str):
+            raise ChunkError(f"a chunk must be a str (text or chunk id), got {type(item).__name__}")
+        if looks_like_chunk_id(item):
+            if item in self._chunks:
+                return self._chunks[item]
+            kv = self.kv_store.get(KVKey(self.namespace, item))
+            if kv is not None:
+                text = self.tokenizer.decode(kv.token_ids.tolist())
+                return self._register(Chunk(item, text, kv.token_ids))
+            raise ChunkError(f"unknown chunk id {item!r}: not in the KV store and no text given; ingest its text first")
+        return self._register(make_chunk(item, self.tokenizer))
+
+    # ---- prefill ------------------------------------------------------------------------
+
+    def _sequence(self, token_ids: torch.Tensor, segment_of_row: torch.Tensor, placements: list[Placement]) -> FusedSequence:
+        a = self.adapter
+        return FusedSequence(token_ids.to(a.device), segment_of_row.to(a.device), placements,
+                             a.num_layers, a.num_kv_heads, a.head_dim, a.dtype)
+
+    def prefill(
+        self,
+        chunks: Sequence[str | Chunk],
+        question: str,
+        method: str | Policy = "cacheblend",
+        recompute_ratio: float | None = None,
+        *,
+        template: PromptTemplate | None = None,
+        store_holes: bool = True,
+        **policy_options,
+    ) -> Prefill:
+        """Fused prefill of [prefix][chunks][question]; `method` picks the token-selection policy."""
+        started = time.perf_counter()
+        policy = make_policy(method, recompute_ratio, **policy_options)
+        if not isinstance(question, str):
+            raise ConfigError(f"question must be a str, got {type(question).__name__}")
+        with self._lock, torch.inference_mode():
+            resolved = [self.resolve_chunk(c) for c in chunks]
+            prefix, separator, suffix = (template or self.template).render(self.tokenizer, question)
+            layout = assemble(prefix, [c.token_ids for c in resolved], separator, suffix)
+            n = int(layout.token_ids.numel())
+            if n > self.adapter.max_positions:
+                raise PromptTooLongError(
+                    f"prompt of {n} tokens ({len(resolved)} chunks) exceeds the model's context window of "
+                    f"{self.adapter.max_positions} tokens; pass fewer or shorter chunks"
+                )
+
+            load_started = time.perf_counter()
+            placements, hits, misses = self._placements(policy.reuse, resolved, prefix, layout.chunk_starts)
+            seq = self._sequence(layout.token_ids, layout.segment_of_row, placements)
+            kv_load_s = time.perf_counter() - load_started
+
+            check_started = time.perf_counter()
+            active = policy.initial_active(self.adapter, seq)
+            check_s = time.perf_counter() - check_started
+            layers_started = time.perf_counter()
+            result = run_layers(self.adapter, seq, policy, active)
+            if result.rows is None or int(result.rows[-1]) != n - 1:
+                raise RuntimeError("the last prompt row was not computed; a policy dropped it")
+            logits = self.adapter.logits(result.hidden[-1:])[0].float()
+            layers_s = time.perf_counter() - layers_started
+            ttft = time.perf_counter() - started
+
+            if store_holes:  # after the first token's logits: holes cost TTFT once, then hit
+                for chunk in resolved:
+                    if chunk.chunk_id in misses and policy.reuse is Reuse.ALL:
+                        self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
+
+        stats = self._stats(seq, active, result.rows_per_layer, hits, misses, resolved)
+        stats.update(method=policy.name, ttft_s=ttft,
+                     timing={"kv_load_s": kv_load_s, "check_s": check_s, "layers_s": layers_s})
+        if isinstance(policy, CacheBlend):
+            stats["recompute_ratio"] = policy.recompute_ratio
+        return Prefill(logits, stats, layout.token_ids, result.keys, result.values, [c.chunk_id for c in resolved])
+
+    def _placements(self, reuse: Reuse, chunks: list[Chunk], prefix: list[int], starts: tuple[int, ...]):
+        """Cached KV to place, by the policy's reuse mode; chunk hits and misses (holes) by id."""
+        placements: list[Placement] = []
+        hits: list[str] = []
+        misses: list[str] = []
+        if reuse is Reuse.NONE:
+            return placements, hits, [c.chunk_id for c in chunks]
+        placements.append(Placement(0, self._device_kv(self._exact_segment(prefix)), exact=True))
+        if reuse is Reuse.PREFIX:
+            if chunks:  # the first chunk exactly as it follows this prefix: computed once, then hit
+                ns = self._namespace(prefix)
+                was_cached = self.kv_store.contains(KVKey(ns, chunks[0].chunk_id))
+                kv = self._chunk_kv(chunks[0], prefix, ns, compute=True)
+                placements.append(Placement(starts[0], self._device_kv(kv), exact=True))
+                (hits if was_cached else misses).append(chunks[0].chunk_id)
+            misses += [c.chunk_id for c in chunks[1:]]
+            return placements, hits, misses
+        follows_lead_in = list(prefix) == list(self.lead_in_ids)
+        for i, (chunk, start) in enumerate(zip(chunks, starts)):
+            kv = self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=False)
+            if kv is None:
+                misses.append(chunk.chunk_id)
+                continue
+            hits.append(chunk.chunk_id)
+            # The first chunk after the very prefix it was precomputed behind is exact.
+            placements.append(Placement(start, self._device_kv(kv), exact=(i == 0 and follows_lead_in)))
+        return placements, hits, misses
+
+    @staticmethod
+    def _stats(seq: FusedSequence, active: torch.Tensor, rows_per_layer: list[int], hits, misses, chunks) -> dict:
+        reused = seq.reused
+        num_reused = int(reused.sum())
+        num_uncached = int((~seq.cached).sum())
+        hole_rows = sum(c.num_tokens for c in chunks if c.chunk_id in misses)
+        recomputed = [r - num_uncached for r in rows_per_layer]  # reused rows computed per layer
+        return {
+            "num_tokens": seq.num_rows,
+            "num_reused": num_reused,
+            "num_exact_cached": int(seq.exact.sum()),
+            "num_recomputed": int((active & reused).sum()),
+            "num_hole_tokens": hole_rows,
+            "num_computed": num_uncached - hole_rows,
+            "recompute_ratio_effective": (sum(recomputed) / (len(recomputed) * num_reused)) if num_reused else 0.0,
+            "chunk_hits": list(hits),
+            "chunk_misses": list(misses),
+            "rows_per_layer": rows_per_layer,
+        }
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        chunks: Sequence[str | Chunk],
+        question: str,
+        method: str = "cacheblend",
+        recompute_ratio: float | None = None,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        template: PromptTemplate | None = None,
+        **policy_options,
+    ) -> Generation:
+        """Fused prefill, then decode: greedy by default, sampling with temperature/top_p."""
+        settings = SamplingSettings(max_new_tokens, temperature, top_p, tuple(stop or ()), seed)
+        with self._lock:
+            pre = self.prefill(chunks, question, method, recompute_ratio, template=template, **policy_options)
+            self._check_room(pre, settings)
+            started = time.perf_counter()
+            new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings)
+            decode_s = time.perf_counter() - started
+        text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), settings.stop)
+        stats = dict(pre.stats, num_generated=int(new_ids.numel()))
+        stats["timing"] = dict(pre.stats["timing"], decode_s=decode_s)
+        return Generation(text.strip(), new_ids.tolist(), pre.stats["ttft_s"], stats)
+
+    def stream(
+        self,
+        chunks: Sequence[str | Chunk],
+        question: str,
+        method: str = "cacheblend",
+        recompute_ratio: float | None = None,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        template: PromptTemplate | None = None,
+        stats: dict | None = None,
+        **policy_options,
+    ) -> Iterator[str]:
+        """Yield text pieces as they are decoded; `stats`, if given, is filled with the prefill's stats."""
+        from transformers import TextIteratorStreamer
+
+        settings = SamplingSettings(max_new_tokens, temperature, top_p, tuple(stop or ()), seed)
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        errors: queue.Queue[BaseException] = queue.Queue()
+
+        def work() -> None:  # prefill and decode on one thread, holding the model's lock throughout
+            try:
+                with self._lock:
+                    pre = self.prefill(chunks, question, method, recompute_ratio, template=template, **policy_options)
+                    self._check_room(pre, settings)
+                    if stats is not None:
+                        stats.update(pre.stats)
+                    decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings, streamer)
+            except BaseException as e:  # surfaced to the consumer below
+                errors.put(e)
+                streamer.end()
+
+        threading.Thread(target=work, daemon=True).start()
+        yield from _stop_filtered(streamer, settings.stop)
+        if not errors.empty():
+            raise errors.get()
+
+    def _check_room(self, pre: Prefill, settings: SamplingSettings) -> None:
+        total = int(pre.token_ids.numel()) + settings.max_new_tokens
+        if total > self.adapter.max_positions:
+            raise PromptTooLongError(
+                f"prompt of {pre.token_ids.numel()} tokens + max_new_tokens={settings.max_new_tokens} exceeds "
+                f"the context window of {self.adapter.max_positions} tokens"
+            )
+
+
+def _stop_filtered(pieces: Iterable[str], stop: tuple[str, ...]) -> Iterator[str]:
+    """Pass text pieces through, holding back enough to cut at a stop string that spans pieces."""
+    if not stop:
+        yield from (p for p in pieces if p)
+        return
+    hold = max(len(s) for s in stop) - 1
+    buffer = ""
+    for piece in pieces:
+        buffer += piece
+        text, found = cut_at_stop(buffer, stop)
+        if found:
+            if text:
+                yield text
+            for _ in pieces:  # drain so the decoding thread can finish
+                pass
+            return
+        if len(buffer) > hold:
+            out, buffer = buffer[: len(buffer) - hold], buffer[len(buffer) - hold :]
+            yield out
+    if buffer:
+        yield buffer

@@ -1,0 +1,35 @@
+"""Errors raised by cacheblend_rag; every one derives from CacheBlendError."""
+
+from __future__ import annotations
+
+
+class CacheBlendError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(CacheBlendError, ValueError):
+    """A setting or argument is out of range or inconsistent."""
+
+
+class UnsupportedModelError(CacheBlendError):
+    """The model's architecture has no adapter."""
+
+
+class ModelNotFoundError(CacheBlendError, FileNotFoundError):
+    """A model name or path could not be resolved locally."""
+
+
+class ChunkError(CacheBlendError, ValueError):
+    """A chunk is empty, unknown, or otherwise unusable."""
+
+
+class PromptTooLongError(CacheBlendError, ValueError):
+    """The assembled prompt does not fit the model's context window."""
+
+
+class CacheFormatError(CacheBlendError):
+    """A stored KV file is truncated, corrupt, or belongs to another model."""
+
+
+class MissingDependencyError(CacheBlendError, ImportError):
+    """An optional dependency is not installed; the message names the extra."""

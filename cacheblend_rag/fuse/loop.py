@@ -1,0 +1,99 @@
+"""The one layer loop. Every method (full prefill, prefix cache, full reuse, CacheBlend) runs through it.
+
+Per layer: project Q/K/V for the active rows, let the policy drop rows (HKVD
+selection), place the cached keys at their positions (RoPE), scatter the fresh
+K/V of the active rows over them, attend causally for the active rows only, and
+run the MLP for them. Rows that are not active keep their cached K/V in that
+layer; rows with no cached KV are always active.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..kernels import causal_attention_rows
+from ..models.adapter import LlamaFamilyAdapter
+from .sequence import FusedSequence
+
+
+class RowPolicy(Protocol):
+    """Decides, per layer, which active rows stay active."""
+
+    def keep(self, layer: int, rows: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+             seq: FusedSequence) -> torch.Tensor | None:
+        """A bool mask over `rows` of those that stay active from this layer on, or None to keep all.
+
+        fresh_k (pre-RoPE) and fresh_v are the rows' K/V at this layer, (M, kv_heads, d).
+        """
+
+
+@dataclass
+class LoopResult:
+    """What the loop produced: the fused KV of every computed layer and the last rows' hidden states."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer, (N, kv_heads, d), after RoPE
+    values: list[torch.Tensor] = field(default_factory=list)  # per layer, (N, kv_heads, d)
+    rows: torch.Tensor | None = None  # (M,) rows active in the last computed layer
+    hidden: torch.Tensor | None = None  # (M, hidden) their hidden states after it
+    rows_per_layer: list[int] = field(default_factory=list)  # how many rows each layer computed
+    fresh_keys: list[torch.Tensor] = field(default_factory=list)  # per layer, pre-RoPE K of active rows (if recorded)
+    fresh_values: list[torch.Tensor] = field(default_factory=list)
+
+
+@torch.inference_mode()
+def run_layers(
+    adapter: LlamaFamilyAdapter,
+    seq: FusedSequence,
+    policy: RowPolicy,
+    active: torch.Tensor,
+    *,
+    record_fresh: bool = False,
+    until_layer: int | None = None,
+) -> LoopResult:
+    """Run every layer over `seq` for the rows in `active` ((N,) bool), as `policy` narrows them.
+
+    With `until_layer`, stop once that layer's K/V are projected and shown to the policy
+    (a probe needs no more).
+    """
+    num_rows = seq.num_rows
+    if bool((~seq.cached & ~active).any()):
+        raise ValueError("rows without cached KV must be active")
+    positions = torch.arange(num_rows, device=seq.token_ids.device)
+    cos, sin = adapter.rotary(positions)
+    rows = active.nonzero().squeeze(1)
+    hidden = adapter.embed(seq.token_ids[rows])
+    result = LoopResult()
+    for layer in range(adapter.num_layers):
+        q, k, v = adapter.project_qkv(layer, hidden)
+        keep = policy.keep(layer, rows, k, v, seq)
+        if keep is not None:
+            keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
+            rows, hidden, q, k, v = rows[keep], hidden[keep], q[keep], k[keep], v[keep]
+        if layer == until_layer:
+            break
+        if record_fresh:
+            result.fresh_keys.append(k)
+            result.fresh_values.append(v)
+        row_cos, row_sin = cos[rows], sin[rows]
+        k = adapter.rope(k, row_cos, row_sin)
+        if rows.numel() == num_rows:  # every row fresh: nothing cached to place
+            layer_k, layer_v = k, v
+        else:
+            cached_k, cached_v = seq.cached_kv(layer)
+            layer_k = adapter.rope(cached_k, cos, sin)
+            layer_v = cached_v.clone()
+            layer_k[rows] = k
+            layer_v[rows] = v
+        attn = causal_attention_rows(
+            adapter.rope(q, row_cos, row_sin), layer_k, layer_v, rows,
+            scale=adapter.scaling(layer), sliding_window=adapter.sliding_window(layer),
+        )
+        hidden = adapter.finish_layer(layer, hidden, attn)
+        result.keys.append(layer_k)
+        result.values.append(layer_v)
+        result.rows_per_layer.append(int(rows.numel()))
+    result.rows, result.hidden = rows, hidden
+    return result

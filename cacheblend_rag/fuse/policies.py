@@ -1,0 +1,231 @@
+"""Token-selection policies over the one layer loop: which rows are computed at each layer.
+
+A policy says which segments it takes from the cache (`reuse`), which rows start
+active (`initial_active`), and which stay active layer by layer (`keep`). None of
+them runs a loop of its own; CacheBlend's probe calls the same `run_layers`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError
+from ..kernels import kv_deviation
+from ..models.adapter import LlamaFamilyAdapter
+from .loop import run_layers
+from .sequence import FusedSequence
+
+
+class Reuse(enum.Enum):
+    """Which cached KV a policy places into the sequence."""
+
+    NONE = "none"  # nothing cached: compute every row
+    PREFIX = "prefix"  # the exact prefix: system prefix + first chunk computed right after it
+    ALL = "all"  # the prefix and every chunk's own KV, re-positioned
+
+
+class _KeepAll:
+    def keep(self, layer, rows, fresh_k, fresh_v, seq):  # noqa: D102 - RowPolicy
+        return None
+
+
+@dataclass(frozen=True)
+class FullPrefill(_KeepAll):
+    """Every row, every layer: the reference."""
+
+    name: str = field(default="full_prefill", init=False)
+    reuse: Reuse = field(default=Reuse.NONE, init=False)
+
+    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
+        """All rows."""
+        return torch.ones_like(seq.cached)
+
+
+@dataclass(frozen=True)
+class PrefixCache(_KeepAll):
+    """Reuse the KV of the exact prefix (system prefix + first chunk), compute the rest."""
+
+    name: str = field(default="prefix_cache", init=False)
+    reuse: Reuse = field(default=Reuse.PREFIX, init=False)
+
+    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
+        """Rows without cached KV."""
+        return ~seq.cached
+
+
+@dataclass(frozen=True)
+class FullReuse(_KeepAll):
+    """Reuse every chunk's KV as is (re-positioned); compute only what is not cached."""
+
+    name: str = field(default="full_reuse", init=False)
+    reuse: Reuse = field(default=Reuse.ALL, init=False)
+
+    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
+        """Rows without cached KV."""
+        return ~seq.cached
+
+
+DEVIATIONS = ("k", "v", "kv")
+SELECTIONS = ("global", "per_chunk")
+
+
+@dataclass(frozen=True)
+class CacheBlend:
+    """Selective recompute of the reused tokens with the highest KV deviation (HKVD), CacheBlend §4.
+
+    A probe computes every row up to the last check layer; at each check layer the
+    deviation of each reused row's fresh K/V from its cached K/V is measured. The top
+    `recompute_ratio` of reused rows (plus every row without cache) are then computed
+    in all layers; the rest keep their cached KV. `schedule` adds gradual filtering
+    (§4.3): ((layer, ratio), ...) narrows the selection at later layers by the
+    deviation measured there. With recompute_ratio=1 this is full prefill; with 0,
+    full reuse.
+    """
+
+    recompute_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    deviation: str = "v"  # measure the deviation on "k", "v" or both ("kv")
+    selection: str = "global"  # top tokens over all chunks, or "per_chunk" (the same ratio in each chunk)
+    chunk_head_tokens: int = 0  # always recompute the first n tokens of each reused chunk
+    schedule: tuple[tuple[int, float], ...] = ()  # gradual filtering: (layer, ratio) after the probe
+    name: str = field(default="cacheblend", init=False)
+    reuse: Reuse = field(default=Reuse.ALL, init=False)
+
+    def __post_init__(self) -> None:
+        ratios = [self.recompute_ratio] + [r for _, r in self.schedule]
+        if any(not isinstance(r, (int, float)) or math.isnan(r) or not 0.0 <= r <= 1.0 for r in ratios):
+            raise ConfigError(f"recompute ratios must be within [0, 1], got {ratios}")
+        if not self.check_layers or any(layer < 0 for layer in self.check_layers):
+            raise ConfigError(f"check_layers must be non-empty and ≥ 0, got {self.check_layers}")
+        if self.deviation not in DEVIATIONS:
+            raise ConfigError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
+        if self.selection not in SELECTIONS:
+            raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        last_check = max(self.check_layers)
+        if any(layer <= last_check for layer, _ in self.schedule):
+            raise ConfigError("schedule layers must come after the check layers")
+        if any(b > a for (_, a), (_, b) in zip([(0, self.recompute_ratio), *self.schedule], self.schedule)):
+            raise ConfigError("schedule ratios must shrink layer by layer")
+
+    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
+        """Rows without cache, plus the HKVD rows picked by the probe."""
+        reused = seq.reused
+        num_reused = int(reused.sum())
+        budget = round(self.recompute_ratio * num_reused)
+        if budget >= num_reused:
+            return torch.ones_like(seq.cached)
+        selected = self._chunk_heads(seq)
+        if budget > 0:
+            last_check = max(self.check_layers)
+            if last_check >= adapter.num_layers:
+                raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
+            probe = _Probe(self.check_layers, self.deviation)
+            run_layers(adapter, seq, probe, torch.ones_like(seq.cached), until_layer=last_check)
+            selected |= self._select(probe.score.masked_fill(~reused, -math.inf), seq, budget)
+        return ~seq.cached | (selected & reused)
+
+    def keep(self, layer: int, rows: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+             seq: FusedSequence) -> torch.Tensor | None:
+        """Gradual filtering: at a scheduled layer keep the active reused rows of highest deviation there."""
+        ratio = dict(self.schedule).get(layer)
+        if ratio is None:
+            return None
+        cached_k, cached_v = seq.cached_kv(layer)
+        score = _score(self.deviation, fresh_k, fresh_v, cached_k[rows], cached_v[rows])
+        reused = seq.reused[rows]
+        score = score.masked_fill(~reused, -math.inf)
+        budget = min(round(ratio * int(seq.reused.sum())), int(reused.sum()))
+        keep = torch.zeros_like(reused)
+        keep[score.topk(budget).indices] = True
+        return keep
+
+    def _select(self, score: torch.Tensor, seq: FusedSequence, budget: int) -> torch.Tensor:
+        """Top-`budget` rows by score, over all chunks or per chunk."""
+        selected = torch.zeros_like(seq.cached)
+        if self.selection == "global":
+            selected[score.topk(budget).indices] = True
+            return selected
+        for chunk in seq.segment_of_row.unique().tolist():
+            in_chunk = (seq.segment_of_row == chunk) & seq.reused
+            if chunk < 0 or not bool(in_chunk.any()):
+                continue
+            rows = in_chunk.nonzero().squeeze(1)
+            k = round(self.recompute_ratio * rows.numel())
+            selected[rows[score[rows].topk(k).indices]] = True
+        return selected
+
+    def _chunk_heads(self, seq: FusedSequence) -> torch.Tensor:
+        """The first `chunk_head_tokens` rows of each reused chunk."""
+        heads = torch.zeros_like(seq.cached)
+        if self.chunk_head_tokens <= 0:
+            return heads
+        seg = seq.segment_of_row
+        starts = torch.ones_like(heads)
+        starts[1:] = seg[1:] != seg[:-1]
+        start_rows = starts.nonzero().squeeze(1)
+        for s in start_rows.tolist():
+            if seg[s] >= 0:
+                heads[s : s + self.chunk_head_tokens] = True
+        return heads & (seg >= 0)
+
+
+def _score(deviation: str, fresh_k, fresh_v, cached_k, cached_v) -> torch.Tensor:
+    """Per-row deviation on K, V, or both (each normalized by its mean so neither dominates)."""
+    if deviation == "k":
+        return kv_deviation(fresh_k, cached_k)
+    if deviation == "v":
+        return kv_deviation(fresh_v, cached_v)
+    dk, dv = kv_deviation(fresh_k, cached_k), kv_deviation(fresh_v, cached_v)
+    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
+
+
+class _Probe:
+    """Runs inside the layer loop over every row and sums the (normalized) deviations at the check layers."""
+
+    def __init__(self, check_layers: tuple[int, ...], deviation: str) -> None:
+        self.check_layers = tuple(sorted(set(check_layers)))
+        self.deviation = deviation
+        self.score: torch.Tensor | None = None
+
+    def keep(self, layer: int, rows: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+             seq: FusedSequence) -> torch.Tensor | None:
+        if layer not in self.check_layers:
+            return None
+        cached_k, cached_v = seq.cached_kv(layer)
+        score = _score(self.deviation, fresh_k, fresh_v, cached_k, cached_v)
+        score = score / score[seq.reused].mean().clamp_min(1e-12)  # layers weigh alike
+        self.score = score if self.score is None else self.score + score
+        return None
+
+
+METHODS = ("full_prefill", "prefix_cache", "full_reuse", "cacheblend")
+
+
+Policy = FullPrefill | PrefixCache | FullReuse | CacheBlend
+
+
+def make_policy(method: "str | Policy", recompute_ratio: float | None = None, **options) -> "Policy":
+    """The policy for a method name (or a policy object, returned as is); CacheBlend options pass through."""
+    if not isinstance(method, str):
+        if recompute_ratio is not None or options:
+            raise ConfigError("pass options to the policy object itself, not beside it")
+        return method
+    if method == "cacheblend":
+        if recompute_ratio is not None:
+            options["recompute_ratio"] = recompute_ratio
+        return CacheBlend(**options)
+    if recompute_ratio is not None and not 0.0 <= recompute_ratio <= 1.0:
+        raise ConfigError(f"recompute_ratio must be within [0, 1], got {recompute_ratio}")
+    if options:
+        raise ConfigError(f"method {method!r} takes no options, got {sorted(options)}")
+    if method == "full_prefill":
+        return FullPrefill()
+    if method == "prefix_cache":
+        return PrefixCache()
+    if method == "full_reuse":
+        return FullReuse()
+    raise ConfigError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")

@@ -1,0 +1,57 @@
+"""Chunks: normalized text, content-hash ids, and tokenization on their own."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ChunkError
+
+CHUNK_ID_LEN = 32
+_CHUNK_ID_RE = re.compile(rf"^[0-9a-f]{{{CHUNK_ID_LEN}}}$")
+
+
+def normalize_text(text: str) -> str:
+    """NFC, unix newlines, no trailing spaces on lines, stripped ends: equal text → equal id."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    text = "\n".join(line.rstrip() for line in text.split("\n"))
+    return text.strip()
+
+
+def chunk_id(text: str) -> str:
+    """Content hash of the normalized text (32 hex chars); the id a chunk has everywhere."""
+    return hashlib.sha256(normalize_text(text).encode("utf-8")).hexdigest()[:CHUNK_ID_LEN]
+
+
+def looks_like_chunk_id(value: str) -> bool:
+    """Whether a string has the shape of a chunk id (it may still be unknown)."""
+    return bool(_CHUNK_ID_RE.match(value))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A chunk of text with its id and its own token ids (no special tokens added)."""
+
+    chunk_id: str
+    text: str
+    token_ids: torch.Tensor  # (num_tokens,) int64
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+        return int(self.token_ids.shape[0])
+
+
+def make_chunk(text: str, tokenizer) -> Chunk:
+    """Normalize, hash and tokenize one chunk; an empty chunk is an error."""
+    if not isinstance(text, str):
+        raise ChunkError(f"a chunk must be a str, got {type(text).__name__}")
+    norm = normalize_text(text)
+    if not norm:
+        raise ChunkError("empty chunk: a chunk needs at least one non-whitespace character")
+    ids = tokenizer(norm, add_special_tokens=False)["input_ids"]
+    return Chunk(chunk_id=chunk_id(norm), text=norm, token_ids=torch.tensor(ids, dtype=torch.long))

@@ -1,0 +1,33 @@
+"""The one place environment variables are read."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_HOME = "CACHEBLEND_RAG_HOME"
+
+
+def home_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """The package home: converted models, the KV store and Chroma live below it."""
+    if override is not None:
+        return Path(override).expanduser()
+    env = os.environ.get(ENV_HOME)
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/cacheblend-rag").expanduser()
+
+
+def models_dir(home: str | os.PathLike[str] | None = None) -> Path:
+    """Where converted models (safetensors + tokenizer) are cached."""
+    return home_dir(home) / "models"
+
+
+def kv_dir(home: str | os.PathLike[str] | None = None) -> Path:
+    """Default folder of the on-disk KV store."""
+    return home_dir(home) / "kv"
+
+
+def chroma_dir(home: str | os.PathLike[str] | None = None) -> Path:
+    """Default folder of the embedded Chroma database."""
+    return home_dir(home) / "chroma"

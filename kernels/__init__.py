@@ -1,0 +1,7 @@
+"""Tensor ops of the fusion loop: torch reference implementations (fast variants can sit beside them)."""
+
+from .attention import causal_attention_rows
+from .deviation import kv_deviation
+from .rope import apply_rope, rotate_half
+
+__all__ = ["apply_rope", "causal_attention_rows", "kv_deviation", "rotate_half"]

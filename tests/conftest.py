@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny random-weight models of the supported architectures, the real default model, real text."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+MUSIQUE_ENV = "CACHEBLEND_RAG_MUSIQUE"
+
+
+def musique_path() -> Path:
+    """Where the MuSiQue dev sample lives (overridable by $CACHEBLEND_RAG_MUSIQUE)."""
+    return Path(os.environ.get(MUSIQUE_ENV, REPO.parent / "shared" / "data" / "musique_dev.json"))
+
+
+@pytest.fixture(scope="session")
+def musique() -> list[dict]:
+    """The MuSiQue questions; a skip outside CI when absent, a failure under CI."""
+    path = musique_path()
+    if not path.is_file():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"MuSiQue data missing at {path} (set ${MUSIQUE_ENV}); CI needs real text")
+        pytest.skip(f"MuSiQue data not found at {path}; set ${MUSIQUE_ENV} to run tests on real text")
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def passages(musique) -> list[str]:
+    """Real passages (title + text), as the benchmark builds them."""
+    return [f"{c['title']}\n{c['text']}" for item in musique[:3] for c in item["ctxs"][:6]]
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real SmolLM2-135M-Instruct in fp32 (converted once into the package home)."""
+    from cacheblend_rag import load_model
+
+    return load_model("smollm2-135m", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model):
+    """The real SmolLM2 tokenizer (with a chat template)."""
+    return default_model[1]
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6)
+
+
+def tiny_model(arch: str, vocab_size: int, seed: int = 0, **overrides):
+    """A random-weight fp32 model of a real architecture, small enough for exactness tests."""
+    import transformers as tf
+
+    classes = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 16}),
+    }
+    config_cls, model_cls, extra = classes[arch]
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=vocab_size, **{**TINY, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    model = model_cls(config).eval()
+    # Random init leaves RoPE-free logits nearly flat; scale up so mistakes show.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    return model
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(params=ARCHS)
+def tiny(request, tokenizer):
+    """(arch, model, tokenizer) for each supported architecture."""
+    return request.param, tiny_model(request.param, len(tokenizer)), tokenizer

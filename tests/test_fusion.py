@@ -1,0 +1,176 @@
+"""The engine's invariants on tiny random models of every supported architecture."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cacheblend_rag import CacheBlendEngine, ChunkError, ConfigError, PromptTooLongError
+from cacheblend_rag.fuse.policies import CacheBlend
+
+TEXTS = [
+    "The river Lune flows through Lancaster and reaches the sea at Sunderland Point.",
+    "Marie Curie won Nobel prizes in physics and in chemistry, the first person to win two.",
+    "The Eiffel Tower was finished in 1889 for the World's Fair in Paris, France.",
+    "Basalt is an igneous rock formed from the rapid cooling of lava rich in iron.",
+]
+QUESTION = "Where does the river Lune reach the sea?"
+
+
+@pytest.fixture
+def engine(tiny):
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer)
+    engine.ingest(TEXTS, show_progress=False)
+    return engine
+
+
+def _max_diff(a, b) -> float:
+    return float((a.logits - b.logits).abs().max())
+
+
+def test_full_prefill_equals_hf_forward(engine):
+    pre = engine.prefill(TEXTS, QUESTION, method="full_prefill")
+    with torch.no_grad():
+        expected = engine.model(pre.token_ids[None]).logits[0, -1]
+    torch.testing.assert_close(pre.logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_ratio_one_is_full_prefill_and_ratio_zero_is_full_reuse(engine):
+    full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
+    reuse = engine.prefill(TEXTS, QUESTION, method="full_reuse")
+    assert _max_diff(engine.prefill(TEXTS, QUESTION, recompute_ratio=1.0), full) <= 1e-4
+    assert _max_diff(engine.prefill(TEXTS, QUESTION, recompute_ratio=0.0), reuse) == 0.0
+    assert _max_diff(reuse, full) > 1e-3, "reusing chunks out of context should change the logits"
+
+
+def test_partial_recompute_lies_between(engine):
+    full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
+    reuse = engine.prefill(TEXTS, QUESTION, method="full_reuse")
+    blend = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.5)
+    assert 0 < blend.stats["num_recomputed"] < blend.stats["num_reused"]
+    assert _max_diff(blend, full) < _max_diff(reuse, full)
+
+
+def test_single_chunk_full_reuse_equals_prefix_cache(engine):
+    reuse = engine.prefill(TEXTS[:1], QUESTION, method="full_reuse")
+    prefix = engine.prefill(TEXTS[:1], QUESTION, method="prefix_cache")
+    assert _max_diff(reuse, prefix) == 0.0
+    assert reuse.stats["num_exact_cached"] == prefix.stats["num_exact_cached"] > 0
+
+
+def test_bos_lead_in_differs_from_prefix_cache(tiny):
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer, lead_in="bos")
+    engine.ingest(TEXTS[:1], show_progress=False)
+    reuse = engine.prefill(TEXTS[:1], QUESTION, method="full_reuse")
+    prefix = engine.prefill(TEXTS[:1], QUESTION, method="prefix_cache")
+    assert _max_diff(reuse, prefix) > 1e-4
+    assert reuse.stats["num_reused"] > 0 and prefix.stats["num_reused"] == 0
+
+
+def test_holes_are_computed_then_stored_and_the_rest_reused(engine):
+    new_text = "Glaciers carve U-shaped valleys as they slowly move downhill."
+    first = engine.prefill([*TEXTS[:2], new_text], QUESTION, method="cacheblend")
+    assert first.stats["chunk_misses"] == [engine.resolve_chunk(new_text).chunk_id]
+    assert len(first.stats["chunk_hits"]) == 2 and first.stats["num_hole_tokens"] > 0
+    second = engine.prefill([*TEXTS[:2], new_text], QUESTION, method="cacheblend")
+    assert second.stats["chunk_misses"] == [] and len(second.stats["chunk_hits"]) == 3
+
+
+def test_chunks_by_id_text_order_and_repeats(engine):
+    ids = engine.ingest(TEXTS, show_progress=False)
+    by_text = engine.prefill(TEXTS, QUESTION)
+    by_id = engine.prefill(ids, QUESTION)
+    assert _max_diff(by_text, by_id) == 0.0
+    again = engine.prefill(ids, QUESTION)
+    assert _max_diff(again, by_id) == 0.0
+    reordered = engine.prefill(ids[::-1], QUESTION)
+    reference = engine.prefill(ids[::-1], QUESTION, method="full_prefill")
+    assert reordered.stats["chunk_hits"] == ids[::-1]
+    assert torch.isfinite(reordered.logits).all() and reference.token_ids.numel() == reordered.token_ids.numel()
+
+
+def test_gradual_filtering_and_per_chunk_selection(engine):
+    full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
+    gradual = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.6, schedule=((2, 0.3),))
+    rows = gradual.stats["rows_per_layer"]
+    assert rows[0] == rows[1] > rows[2] == rows[3]  # narrowed at layer 2, from its own deviations
+    per_chunk = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, selection="per_chunk", deviation="kv",
+                               check_layers=(1, 2), chunk_head_tokens=2)
+    assert per_chunk.stats["num_recomputed"] > 0
+    assert torch.isfinite(per_chunk.logits).all() and torch.isfinite(full.logits).all()
+
+
+def test_empty_chunk_list_is_valid(engine):
+    pre = engine.prefill([], QUESTION)
+    assert pre.stats["num_reused"] == 0 and pre.logits.shape == (engine.model.config.vocab_size,)
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    ([""], ChunkError, "empty chunk"),
+    (["   \n "], ChunkError, "empty chunk"),
+    (["0123456789abcdef0123456789abcdef"], ChunkError, "unknown chunk id"),
+])
+def test_bad_chunks_are_clear_errors(engine, bad, error, match):
+    with pytest.raises(error, match=match):
+        engine.prefill(bad, QUESTION)
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan")])
+def test_ratio_out_of_range(engine, ratio):
+    with pytest.raises(ConfigError, match="within"):
+        engine.prefill(TEXTS, QUESTION, recompute_ratio=ratio)
+
+
+def test_unknown_method(engine):
+    with pytest.raises(ConfigError, match="unknown method"):
+        engine.prefill(TEXTS, QUESTION, method="magic")
+
+
+def test_prompt_longer_than_context(tiny):
+    _, model, tokenizer = tiny
+    model.config.max_position_embeddings = 64
+    engine = CacheBlendEngine(model, tokenizer)
+    with pytest.raises(PromptTooLongError, match=r"\d+ tokens .* context window of 64"):
+        engine.prefill(TEXTS, QUESTION)
+
+
+def test_generate_greedy_matches_between_ratio_one_and_full(engine):
+    a = engine.generate(TEXTS, QUESTION, method="full_prefill", max_new_tokens=12)
+    b = engine.generate(TEXTS, QUESTION, recompute_ratio=1.0, max_new_tokens=12)
+    assert a.token_ids == b.token_ids and len(a.token_ids) > 0
+    # The first generated token is the argmax of the prefill's logits.
+    assert a.token_ids[0] == int(engine.prefill(TEXTS, QUESTION, method="full_prefill").logits.argmax())
+
+
+def test_streaming_sampling_and_stop_strings(engine):
+    full = engine.generate(TEXTS, QUESTION, max_new_tokens=16)
+    streamed = "".join(engine.stream(TEXTS, QUESTION, max_new_tokens=16))
+    assert streamed.strip() == full.text
+    s1 = engine.generate(TEXTS, QUESTION, max_new_tokens=10, temperature=0.9, top_p=0.9, seed=3)
+    s2 = engine.generate(TEXTS, QUESTION, max_new_tokens=10, temperature=0.9, top_p=0.9, seed=3)
+    assert s1.token_ids == s2.token_ids
+    if len(full.text) > 4:
+        stop = full.text[2:4]
+        cut = engine.generate(TEXTS, QUESTION, max_new_tokens=16, stop=[stop])
+        assert stop not in cut.text and full.text.startswith(cut.text)
+        streamed_cut = "".join(engine.stream(TEXTS, QUESTION, max_new_tokens=16, stop=[stop]))
+        assert stop not in streamed_cut
+
+
+def test_concurrent_generation_is_serialised(engine):
+    expected = {q: engine.generate(TEXTS, q, max_new_tokens=8).token_ids for q in (QUESTION, "Who won two prizes?")}
+    results: dict[str, list[int]] = {}
+
+    def ask(q: str) -> None:
+        results[q] = engine.generate(TEXTS, q, max_new_tokens=8).token_ids
+
+    threads = [threading.Thread(target=ask, args=(q,)) for q in expected for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected

@@ -1,0 +1,58 @@
+"""Kernel reference ops against plain dense math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cacheblend_rag.kernels import apply_rope, causal_attention_rows, kv_deviation
+
+
+def _dense(q, k, v, rows, scale, window=None):
+    n = k.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("mhd,nhd->hmn", q, k) * scale
+    keys = torch.arange(n)
+    mask = keys[None, :] <= rows[:, None]
+    if window is not None:
+        mask &= keys[None, :] > rows[:, None] - window
+    scores = scores.masked_fill(~mask[None], -math.inf)
+    return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("n,m,block,window", [(1, 1, 512, None), (37, 37, 8, None), (100, 13, 16, None),
+                                              (300, 50, 64, None), (300, 50, 64, 20), (64, 64, 512, 10)])
+def test_causal_attention_rows_matches_dense(n, m, block, window):
+    torch.manual_seed(n + m)
+    rows = torch.randperm(n)[:m].sort().values
+    rows[-1] = n - 1
+    q = torch.randn(m, 4, 8)
+    k, v = torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    got = causal_attention_rows(q, k, v, rows, 0.35, sliding_window=window, block_size=block)
+    torch.testing.assert_close(got, _dense(q, k, v, rows, 0.35, window), atol=1e-5, rtol=1e-5)
+
+
+def _cos_sin(positions, dim=8, base=10000.0, dtype=torch.float32):
+    inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=dtype) / dim)
+    freqs = positions[:, None].to(dtype) * inv
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos(), emb.sin()
+
+
+def test_rope_composes_shift_a_then_delta_equals_b():
+    x = torch.randn(10, 3, 8, dtype=torch.float64)
+    a, b = torch.arange(10) * 7, torch.arange(10) * 7 + 123
+    ca, sa = _cos_sin(a, dtype=torch.float64)
+    cd, sd = _cos_sin(b - a, dtype=torch.float64)
+    cb, sb = _cos_sin(b, dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(apply_rope(x, ca, sa), cd, sd), apply_rope(x, cb, sb))
+
+
+def test_rope_preserves_norm_and_deviation():
+    x, y = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    c, s = _cos_sin(torch.arange(5) + 40)
+    torch.testing.assert_close(kv_deviation(apply_rope(x, c, s), apply_rope(y, c, s)), kv_deviation(x, y))
