@@ -51,6 +51,7 @@ class Generation:
     token_ids: list[int]
     ttft_s: float
     stats: dict
+    logits: torch.Tensor | None = field(default=None, repr=False)  # (vocab,) first-token logits of the prefill
 
 
 class CacheBlendEngine:
@@ -322,7 +323,7 @@ class CacheBlendEngine:
         text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), settings.stop)
         stats = dict(pre.stats, num_generated=int(new_ids.numel()))
         stats["timing"] = dict(pre.stats["timing"], decode_s=decode_s)
-        return Generation(text.strip(), new_ids.tolist(), pre.stats["ttft_s"], stats)
+        return Generation(text.strip(), new_ids.tolist(), pre.stats["ttft_s"], stats, pre.logits)
 
     def stream(
         self,

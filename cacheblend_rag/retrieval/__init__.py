@@ -1,0 +1,35 @@
+"""Retrieval and ingestion: loaders and token-aware splitting, the local embedder, Chroma, the passage prompt format.
+
+Data flow: files → `load_paths` → `split_texts` (chunks of ~512 model tokens) → `ChromaChunkStore.upsert`
+(embeddings) + `CacheBlendEngine.ingest` (KV) — all keyed by the content-hash chunk id. `ingest_paths` does it all.
+Heavy imports (chromadb, sentence-transformers, langchain-text-splitters) happen inside the functions that need them.
+"""
+
+from .loaders import ChunkRecord, SourceText, load_paths, split_texts
+from .pipeline import IngestReport, ingest_paths
+from .prompt import (
+    ANSWER_HEADER,
+    CHUNK_SEPARATOR,
+    PASSAGE_HEADER,
+    QUESTION_HEADER,
+    ParsedPrompt,
+    parse_prompt,
+    render_prompt,
+)
+
+__all__ = [
+    "ANSWER_HEADER", "CHUNK_SEPARATOR", "PASSAGE_HEADER", "QUESTION_HEADER", "ChunkRecord", "IngestReport",
+    "ParsedPrompt", "SourceText", "ingest_paths", "load_paths", "parse_prompt", "render_prompt", "split_texts",
+]
+
+
+def __getattr__(name: str):  # chromadb is imported only when the Chroma store is asked for
+    if name in ("ChromaChunkStore", "RetrievedChunk", "DEFAULT_COLLECTION"):
+        from . import chroma
+
+        return getattr(chroma, name)
+    if name in ("load_embedder", "embedding_model_path"):
+        from . import embeddings
+
+        return getattr(embeddings, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
