@@ -24,7 +24,8 @@ from .ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
 from .models.adapter import get_adapter
 from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from .models.loader import DEFAULT_MODEL, load_model
-from .store import ChunkKV, KVKey, KVStore, open_store
+from .loading import DiskLayers, LayerReader, LayerReadError
+from .store import ChunkKV, DiskStore, KVKey, KVStore, TieredStore, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class CacheBlendEngine:
         *,
         template: PromptTemplate | None = None,
         lead_in: str = "prefix",
+        prefetch_depth: int = 2,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -74,6 +76,9 @@ class CacheBlendEngine:
         if lead_in not in LEAD_INS:
             raise ConfigError(f"lead_in must be one of {LEAD_INS}, got {lead_in!r}")
         self.lead_in = lead_in
+        if prefetch_depth < 0:
+            raise ConfigError(f"prefetch_depth must be ≥ 0, got {prefetch_depth}")
+        self.prefetch_depth = prefetch_depth  # layers of stored KV loaded ahead of the layer loop
         self.lead_in_ids = self._lead_in_ids(lead_in)
         self.fingerprint = f"{model_fingerprint(model)}{tokenizer_fingerprint(tokenizer)}"
         self.namespace = self._namespace(self.lead_in_ids)
@@ -117,16 +122,16 @@ class CacheBlendEngine:
 
     # ---- precompute ---------------------------------------------------------------------
 
-    def _device_kv(self, kv: ChunkKV) -> ChunkKV:
-        return kv.to(device=self.adapter.device, dtype=self.adapter.dtype)
-
     def _compute_kv(self, token_ids: torch.Tensor, lead_in: ChunkKV | None) -> ChunkKV:
         """KV of `token_ids` prefilled right after the lead-in whose KV is given (or from position 0)."""
         lead_ids = lead_in.token_ids if lead_in is not None else torch.empty(0, dtype=torch.long)
         ids = torch.cat([lead_ids.cpu(), token_ids.cpu()]).to(self.adapter.device)
-        placements = [Placement(0, self._device_kv(lead_in), exact=True)] if lead_in is not None else []
+        placements = [Placement(0, lead_in, exact=True)] if lead_in is not None else []
         seq = self._sequence(ids, torch.full_like(ids, -1), placements)
-        result = run_layers(self.adapter, seq, FullReuse(), ~seq.cached, record_fresh=True)
+        try:
+            result = run_layers(self.adapter, seq, FullReuse(), ~seq.cached, record_fresh=True)
+        finally:
+            seq.close()
         return ChunkKV(
             keys=tuple(k.cpu() for k in result.fresh_keys),
             values=tuple(v.cpu() for v in result.fresh_values),
@@ -143,10 +148,20 @@ class CacheBlendEngine:
             self.kv_store.put(key, kv)
         return kv
 
-    def _chunk_kv(self, chunk: Chunk, lead_in_ids: Sequence[int], namespace: str, *, compute: bool) -> ChunkKV | None:
+    def _stored(self, key: KVKey) -> LayerReader | None:
+        """A stored KV: resident in memory, or a per-layer reader of its file (loaded during the loop)."""
+        store = self.kv_store
+        if isinstance(store, TieredStore):
+            return store.memory.get(key) or DiskLayers.open(store.disk, key)
+        if isinstance(store, DiskStore):
+            return DiskLayers.open(store, key)
+        return store.get(key)
+
+    def _chunk_kv(self, chunk: Chunk, lead_in_ids: Sequence[int], namespace: str, *,
+                  compute: bool) -> LayerReader | None:
         """The chunk's KV after a lead-in: from the store, else computed and stored (if `compute`)."""
         key = KVKey(namespace, chunk.chunk_id)
-        kv = self.kv_store.get(key)
+        kv = self._stored(key) if not compute else self.kv_store.get(key)
         if kv is not None and torch.equal(kv.token_ids, chunk.token_ids):
             return kv
         if not compute:
@@ -190,7 +205,7 @@ class CacheBlendEngine:
     def _sequence(self, token_ids: torch.Tensor, segment_of_row: torch.Tensor, placements: list[Placement]) -> FusedSequence:
         a = self.adapter
         return FusedSequence(token_ids.to(a.device), segment_of_row.to(a.device), placements,
-                             a.num_layers, a.num_kv_heads, a.head_dim, a.dtype)
+                             a.num_layers, a.num_kv_heads, a.head_dim, a.dtype, self.prefetch_depth)
 
     def prefill(
         self,
@@ -219,33 +234,61 @@ class CacheBlendEngine:
                     f"{self.adapter.max_positions} tokens; pass fewer or shorter chunks"
                 )
 
-            load_started = time.perf_counter()
-            placements, hits, misses = self._placements(policy.reuse, resolved, prefix, layout.chunk_starts)
-            seq = self._sequence(layout.token_ids, layout.segment_of_row, placements)
-            kv_load_s = time.perf_counter() - load_started
-
-            check_started = time.perf_counter()
-            active = policy.initial_active(self.adapter, seq)
-            check_s = time.perf_counter() - check_started
-            layers_started = time.perf_counter()
-            result = run_layers(self.adapter, seq, policy, active)
-            if result.rows is None or int(result.rows[-1]) != n - 1:
-                raise RuntimeError("the last prompt row was not computed; a policy dropped it")
-            logits = self.adapter.logits(result.hidden[-1:])[0].float()
-            layers_s = time.perf_counter() - layers_started
+            for attempt in range(3):  # a stored layer that fails to read turns its chunk into a hole
+                try:
+                    seq, active, result, logits, hits, misses, timing = self._fused_prefill(
+                        policy, resolved, prefix, layout)
+                    break
+                except LayerReadError as e:
+                    logger.warning("%s; retrying with it as a hole", e)
+                    self.kv_store.delete(e.key)
+            else:
+                raise RuntimeError("stored KV kept failing to read; giving up")
             ttft = time.perf_counter() - started
 
             if store_holes:  # after the first token's logits: holes cost TTFT once, then hit
                 for chunk in resolved:
                     if chunk.chunk_id in misses and policy.reuse is Reuse.ALL:
                         self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
+            self._promote(seq)
 
         stats = self._stats(seq, active, result.rows_per_layer, hits, misses, resolved)
-        stats.update(method=policy.name, ttft_s=ttft,
-                     timing={"kv_load_s": kv_load_s, "check_s": check_s, "layers_s": layers_s})
+        stats.update(method=policy.name, ttft_s=ttft, timing=timing,
+                     kv_bytes_loaded=sum(p.kv.bytes_read if isinstance(p.kv, DiskLayers) else p.kv.nbytes
+                                         for p in seq.placements))
         if isinstance(policy, CacheBlend):
             stats["recompute_ratio"] = policy.recompute_ratio
         return Prefill(logits, stats, layout.token_ids, result.keys, result.values, [c.chunk_id for c in resolved])
+
+    def _fused_prefill(self, policy: Policy, resolved: list[Chunk], prefix: list[int], layout):
+        """Place cached KV, select rows, run the loop; the next-token logits and what it took."""
+        load_started = time.perf_counter()
+        placements, hits, misses = self._placements(policy.reuse, resolved, prefix, layout.chunk_starts)
+        seq = self._sequence(layout.token_ids, layout.segment_of_row, placements)
+        kv_open_s = time.perf_counter() - load_started
+        try:
+            check_started = time.perf_counter()
+            active = policy.initial_active(self.adapter, seq)
+            check_s = time.perf_counter() - check_started
+            layers_started = time.perf_counter()
+            result = run_layers(self.adapter, seq, policy, active)
+            if result.rows is None or int(result.rows[-1]) != seq.num_rows - 1:
+                raise RuntimeError("the last prompt row was not computed; a policy dropped it")
+            logits = self.adapter.logits(result.hidden[-1:])[0].float()
+            layers_s = time.perf_counter() - layers_started
+        finally:
+            seq.close()
+        timing = {"kv_load_s": kv_open_s + seq.loader.load_s, "kv_wait_s": seq.loader.wait_s,
+                  "check_s": check_s, "layers_s": layers_s}
+        return seq, active, result, logits, hits, misses, timing
+
+    def _promote(self, seq: FusedSequence) -> None:
+        """Chunks read from disk layer by layer move into the memory tier (LRU)."""
+        if not isinstance(self.kv_store, TieredStore):
+            return
+        for p in seq.placements:
+            if isinstance(p.kv, DiskLayers) and (kv := p.kv.complete()) is not None:
+                self.kv_store.memory.put(p.kv.key, kv)
 
     def _placements(self, reuse: Reuse, chunks: list[Chunk], prefix: list[int], starts: tuple[int, ...]):
         """Cached KV to place, by the policy's reuse mode; chunk hits and misses (holes) by id."""
@@ -254,13 +297,13 @@ class CacheBlendEngine:
         misses: list[str] = []
         if reuse is Reuse.NONE:
             return placements, hits, [c.chunk_id for c in chunks]
-        placements.append(Placement(0, self._device_kv(self._exact_segment(prefix)), exact=True))
+        placements.append(Placement(0, self._exact_segment(prefix), exact=True))
         if reuse is Reuse.PREFIX:
             if chunks:  # the first chunk exactly as it follows this prefix: computed once, then hit
                 ns = self._namespace(prefix)
                 was_cached = self.kv_store.contains(KVKey(ns, chunks[0].chunk_id))
                 kv = self._chunk_kv(chunks[0], prefix, ns, compute=True)
-                placements.append(Placement(starts[0], self._device_kv(kv), exact=True))
+                placements.append(Placement(starts[0], kv, exact=True))
                 (hits if was_cached else misses).append(chunks[0].chunk_id)
             misses += [c.chunk_id for c in chunks[1:]]
             return placements, hits, misses
@@ -272,7 +315,7 @@ class CacheBlendEngine:
                 continue
             hits.append(chunk.chunk_id)
             # The first chunk after the very prefix it was precomputed behind is exact.
-            placements.append(Placement(start, self._device_kv(kv), exact=(i == 0 and follows_lead_in)))
+            placements.append(Placement(start, kv, exact=(i == 0 and follows_lead_in)))
         return placements, hits, misses
 
     @staticmethod

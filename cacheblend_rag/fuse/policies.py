@@ -45,28 +45,26 @@ class FullPrefill(_KeepAll):
         return torch.ones_like(seq.cached)
 
 
+class _CachedOnly(_KeepAll):
+    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
+        """Rows without cached KV."""
+        return ~seq.cached
+
+
 @dataclass(frozen=True)
-class PrefixCache(_KeepAll):
+class PrefixCache(_CachedOnly):
     """Reuse the KV of the exact prefix (system prefix + first chunk), compute the rest."""
 
     name: str = field(default="prefix_cache", init=False)
     reuse: Reuse = field(default=Reuse.PREFIX, init=False)
 
-    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
-        """Rows without cached KV."""
-        return ~seq.cached
-
 
 @dataclass(frozen=True)
-class FullReuse(_KeepAll):
+class FullReuse(_CachedOnly):
     """Reuse every chunk's KV as is (re-positioned); compute only what is not cached."""
 
     name: str = field(default="full_reuse", init=False)
     reuse: Reuse = field(default=Reuse.ALL, init=False)
-
-    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
-        """Rows without cached KV."""
-        return ~seq.cached
 
 
 DEVIATIONS = ("k", "v", "kv")

@@ -10,11 +10,12 @@ Cached keys are stored *before* RoPE and rotated to their row's position per lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..store import ChunkKV
+from ..loading.layers import LayerReader
+from ..loading.prefetch import LayerLoader, Placed
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Placement:
     """A cached KV placed at rows [row_start, row_start + kv.num_tokens)."""
 
     row_start: int
-    kv: ChunkKV  # on the compute device, in the compute dtype
+    kv: LayerReader  # a resident ChunkKV, or a reader of a stored one (layer by layer)
     exact: bool  # True when the KV was computed after exactly the rows before it (a true prefix cache)
 
 
@@ -37,18 +38,21 @@ class FusedSequence:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    _layer_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    prefetch_depth: int = 0  # layers the loader may run ahead of the loop (0: load on demand)
 
     def __post_init__(self) -> None:
         n = self.num_rows
-        self.cached = torch.zeros(n, dtype=torch.bool, device=self.token_ids.device)
-        self.exact = torch.zeros(n, dtype=torch.bool, device=self.token_ids.device)
+        device = self.token_ids.device
+        self.cached = torch.zeros(n, dtype=torch.bool, device=device)
+        self.exact = torch.zeros(n, dtype=torch.bool, device=device)
         for p in self.placements:
             end = p.row_start + p.kv.num_tokens
-            if end > n or not torch.equal(p.kv.token_ids.to(self.token_ids.device), self.token_ids[p.row_start:end]):
+            if end > n or not torch.equal(p.kv.token_ids.to(device), self.token_ids[p.row_start:end]):
                 raise ValueError(f"cached KV at rows {p.row_start}:{end} does not match the sequence's token ids")
             self.cached[p.row_start:end] = True
             self.exact[p.row_start:end] = p.exact
+        self.loader = LayerLoader([Placed(p.row_start, p.kv) for p in self.placements], n, self.num_layers,
+                                  self.num_kv_heads, self.head_dim, device, self.dtype, self.prefetch_depth)
 
     @property
     def num_rows(self) -> int:
@@ -62,17 +66,8 @@ class FusedSequence:
 
     def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE keys and values of all rows at `layer`, (N, kv_heads, d) each; zeros where not cached."""
-        hit = self._layer_cache.get(layer)
-        if hit is not None:
-            return hit
-        self._layer_cache.clear()  # the loop walks layers in order: keep one
-        dtype = self.dtype
-        shape = (self.num_rows, self.num_kv_heads, self.head_dim)
-        keys = torch.zeros(shape, dtype=dtype, device=self.token_ids.device)
-        values = torch.zeros(shape, dtype=dtype, device=self.token_ids.device)
-        for p in self.placements:
-            end = p.row_start + p.kv.num_tokens
-            keys[p.row_start:end] = p.kv.keys[layer]
-            values[p.row_start:end] = p.kv.values[layer]
-        self._layer_cache[layer] = (keys, values)
-        return keys, values
+        return self.loader.get(layer)
+
+    def close(self) -> None:
+        """Stop any prefetching and free loaded layers."""
+        self.loader.close()

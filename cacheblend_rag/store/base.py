@@ -76,6 +76,10 @@ class ChunkKV:
             total += k.numel() * k.element_size() + v.numel() * v.element_size()
         return total
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys before RoPE, values) of one layer."""
+        return self.keys[layer], self.values[layer]
+
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "ChunkKV":
         """A copy on `device` with keys/values cast to `dtype` (token ids stay int64)."""
         return ChunkKV(

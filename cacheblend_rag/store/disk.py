@@ -109,6 +109,19 @@ class DiskStore:
         loaded = self._guarded(path, lambda f: self._read(f, key, path, layer))
         return None if loaded is None else loaded[2][0]
 
+    def get_token_ids(self, key: KVKey) -> torch.Tensor | None:
+        """The entry's token ids alone, validated against its digest, or None."""
+        path = self.path_for(key)
+
+        def read(f):
+            meta = self._check_meta(f.metadata(), key)
+            token_ids = self._tensor(f, meta, "token_ids", (int(meta["num_tokens"]),), torch.int64)
+            if token_ids_digest(key.namespace, token_ids) != meta.get("kv_digest"):
+                raise _Corrupt("kv_digest does not match the stored token ids")
+            return token_ids
+
+        return self._guarded(path, read)
+
     def read_meta(self, key: KVKey) -> dict | None:
         """The entry's header (str -> str) after checking it names this key, or None."""
         path = self.path_for(key)
