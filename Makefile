@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 install: $(STAMP)
 
 demo: install
-	$(PY) examples/quickstart.py
+	$(VENV)/bin/cacheblend-rag ingest examples/data --collection cacheblend_demo
+	$(VENV)/bin/cacheblend-rag ask "How many eyes does a honeybee have?" --collection cacheblend_demo --k 4
 
 test: install
 	$(PY) -m pytest

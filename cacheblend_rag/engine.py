@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -25,6 +26,8 @@ from .models.adapter import get_adapter
 from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from .models.loader import DEFAULT_MODEL, load_model
 from .loading import DiskLayers, LayerReader, LayerReadError
+from .loading.controller import LoadingController
+from .loading.profile import load_or_measure
 from .store import ChunkKV, DiskStore, KVKey, KVStore, TieredStore, open_store
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ class CacheBlendEngine:
         template: PromptTemplate | None = None,
         lead_in: str = "prefix",
         prefetch_depth: int = 2,
+        quality_floor: float = 0.15,
+        home: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -82,6 +87,9 @@ class CacheBlendEngine:
         self.lead_in_ids = self._lead_in_ids(lead_in)
         self.fingerprint = f"{model_fingerprint(model)}{tokenizer_fingerprint(tokenizer)}"
         self.namespace = self._namespace(self.lead_in_ids)
+        self.quality_floor = quality_floor  # r*: recompute_ratio="auto" never goes below it
+        self.home = home
+        self._controller: LoadingController | None = None
         self._chunks: dict[str, Chunk] = {}
         self._lock = threading.RLock()  # one request at a time on the model: callers serialise
 
@@ -98,7 +106,7 @@ class CacheBlendEngine:
     ) -> "CacheBlendEngine":
         """Load a packaged or local model offline and build an engine on it."""
         model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, home=home)
-        return cls(model, tokenizer, kv_store, **kwargs)
+        return cls(model, tokenizer, kv_store, home=home, **kwargs)
 
     # ---- keys and namespaces ------------------------------------------------------------
 
@@ -212,7 +220,7 @@ class CacheBlendEngine:
         chunks: Sequence[str | Chunk],
         question: str,
         method: str | Policy = "cacheblend",
-        recompute_ratio: float | None = None,
+        recompute_ratio: float | str | None = None,
         *,
         template: PromptTemplate | None = None,
         store_holes: bool = True,
@@ -220,7 +228,10 @@ class CacheBlendEngine:
     ) -> Prefill:
         """Fused prefill of [prefix][chunks][question]; `method` picks the token-selection policy."""
         started = time.perf_counter()
-        policy = make_policy(method, recompute_ratio, **policy_options)
+        auto = recompute_ratio == "auto"
+        policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
+        if auto and not isinstance(policy, CacheBlend):
+            raise ConfigError('recompute_ratio="auto" needs method="cacheblend"')
         if not isinstance(question, str):
             raise ConfigError(f"question must be a str, got {type(question).__name__}")
         with self._lock, torch.inference_mode():
@@ -236,8 +247,8 @@ class CacheBlendEngine:
 
             for attempt in range(3):  # a stored layer that fails to read turns its chunk into a hole
                 try:
-                    seq, active, result, logits, hits, misses, timing = self._fused_prefill(
-                        policy, resolved, prefix, layout)
+                    seq, active, result, logits, hits, misses, timing, decision = self._fused_prefill(
+                        policy, resolved, prefix, layout, auto)
                     break
                 except LayerReadError as e:
                     logger.warning("%s; retrying with it as a hole", e)
@@ -257,15 +268,36 @@ class CacheBlendEngine:
                      kv_bytes_loaded=sum(p.kv.bytes_read if isinstance(p.kv, DiskLayers) else p.kv.nbytes
                                          for p in seq.placements))
         if isinstance(policy, CacheBlend):
-            stats["recompute_ratio"] = policy.recompute_ratio
+            stats["recompute_ratio"] = decision.recompute_ratio if decision else policy.recompute_ratio
+        if decision is not None:
+            stats["controller"] = decision.as_dict()
         return Prefill(logits, stats, layout.token_ids, result.keys, result.values, [c.chunk_id for c in resolved])
 
-    def _fused_prefill(self, policy: Policy, resolved: list[Chunk], prefix: list[int], layout):
+    @property
+    def controller(self) -> LoadingController:
+        """The loading controller, from profiles measured once per model/device/dtype (cached on disk)."""
+        if self._controller is None:
+            store = self.kv_store
+            disk = store.disk if isinstance(store, TieredStore) else store if isinstance(store, DiskStore) else None
+            compute, tiers = load_or_measure(self, disk.root if disk else None, home=self.home)
+            self._controller = LoadingController(compute, tiers, self.quality_floor)
+        return self._controller
+
+    def _fused_prefill(self, policy: Policy, resolved: list[Chunk], prefix: list[int], layout, auto: bool = False):
         """Place cached KV, select rows, run the loop; the next-token logits and what it took."""
         load_started = time.perf_counter()
         placements, hits, misses = self._placements(policy.reuse, resolved, prefix, layout.chunk_starts)
         seq = self._sequence(layout.token_ids, layout.segment_of_row, placements)
         kv_open_s = time.perf_counter() - load_started
+        decision = None
+        if auto:  # match the recompute of a layer to the load of the next, never below the quality floor
+            by_tier: dict[str, int] = {}
+            for p in placements:
+                tier = "disk" if isinstance(p.kv, DiskLayers) else "memory"
+                by_tier[tier] = by_tier.get(tier, 0) + p.kv.layer_nbytes
+            decision = self.controller.choose_ratio(int(seq.reused.sum()), int((~seq.cached).sum()),
+                                                    seq.num_rows, by_tier)
+            policy = dataclasses.replace(policy, recompute_ratio=decision.recompute_ratio)
         try:
             check_started = time.perf_counter()
             active = policy.initial_active(self.adapter, seq)
@@ -280,7 +312,7 @@ class CacheBlendEngine:
             seq.close()
         timing = {"kv_load_s": kv_open_s + seq.loader.load_s, "kv_wait_s": seq.loader.wait_s,
                   "check_s": check_s, "layers_s": layers_s}
-        return seq, active, result, logits, hits, misses, timing
+        return seq, active, result, logits, hits, misses, timing, decision
 
     def _promote(self, seq: FusedSequence) -> None:
         """Chunks read from disk layer by layer move into the memory tier (LRU)."""

@@ -80,6 +80,8 @@ class ChunkIdRetriever(BaseRetriever):
     (same id) are dropped, keeping the first (best-ranked).
     """
 
+    model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True)
+
     base: Any
     """A retriever (any Runnable returning Documents) or a `VectorStore`."""
     k: int = 4
@@ -113,6 +115,8 @@ def with_chunk_ids(docs: Sequence[Document]) -> list[Document]:
 class ChromaRetriever(BaseRetriever):
     """Top-k search over a `cacheblend_rag.retrieval.ChromaChunkStore` (embedded or server)."""
 
+    model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True)
+
     store: Any
     """A `ChromaChunkStore`."""
     k: int = 6
@@ -135,6 +139,8 @@ class CacheBlendPromptValue(StringPromptValue):
     `text` is the documented plain form (`render_prompt`), so any LLM can take it; `CacheBlendLLM` uses the
     chunks directly.
     """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True)
 
     chunk_ids: list[str] = Field(default_factory=list)
     """Content-hash ids of the chunks, in prompt order."""
@@ -168,6 +174,8 @@ def _as_texts(context: Any) -> list[str]:
 
 class CacheBlendPromptTemplate(BasePromptTemplate):
     """Formats `context` (Documents or strings) and `question` into a `CacheBlendPromptValue`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True)
 
     input_variables: list[str] = Field(default_factory=lambda: ["context", "question"])
     """The inputs: retrieved chunks and the question."""
@@ -242,7 +250,7 @@ class CacheBlendLLM(BaseLLM):
         ```
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True)
 
     engine: Any = Field(default=None, exclude=True)
     """A ready `CacheBlendEngine`; when None one is built on first use from `model`, `kv_store` and `home`."""

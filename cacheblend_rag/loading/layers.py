@@ -39,8 +39,10 @@ class DiskLayers:
 
     tier = "disk"
 
-    def __init__(self, disk: DiskStore, key: KVKey, token_ids: torch.Tensor, num_layers: int, positions_start: int) -> None:
+    def __init__(self, disk: DiskStore, key: KVKey, token_ids: torch.Tensor, num_layers: int, positions_start: int,
+                 layer_nbytes: int = 0) -> None:
         self.disk = disk
+        self.layer_nbytes = layer_nbytes  # bytes of one layer's K and V as stored
         self.key = key
         self.token_ids = token_ids
         self.num_layers = num_layers
@@ -56,7 +58,10 @@ class DiskLayers:
         token_ids = disk.get_token_ids(key) if meta is not None else None
         if meta is None or token_ids is None:
             return None
-        return cls(disk, key, token_ids, int(meta["num_layers"]), int(meta["positions_start"]))
+        itemsize = torch.empty(0, dtype=getattr(torch, meta["dtype"])).element_size()
+        heads = int(meta["num_kv_heads"])
+        nbytes = len(token_ids) * heads * (int(meta["head_dim"]) + int(meta["v_head_dim"])) * itemsize
+        return cls(disk, key, token_ids, int(meta["num_layers"]), int(meta["positions_start"]), nbytes)
 
     @property
     def num_tokens(self) -> int:

@@ -76,6 +76,12 @@ class ChunkKV:
             total += k.numel() * k.element_size() + v.numel() * v.element_size()
         return total
 
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer's keys and values."""
+        k, v = self.keys[0], self.values[0]
+        return k.numel() * k.element_size() + v.numel() * v.element_size()
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys before RoPE, values) of one layer."""
         return self.keys[layer], self.values[layer]

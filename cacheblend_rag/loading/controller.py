@@ -1,0 +1,77 @@
+"""The loading controller (CacheBlend §5.1): pick a recompute ratio whose recompute hides the KV loading,
+and the cheapest storage tier that does not add TTFT."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .profile import ComputeProfile, TierProfile
+
+
+@dataclass(frozen=True)
+class RatioDecision:
+    """What the controller chose and the estimates behind it."""
+
+    recompute_ratio: float
+    balanced_ratio: float  # the ratio whose recompute time equals the load time of a layer
+    est_layer_load_s: float
+    est_layer_recompute_s: float
+    quality_floor: float
+
+    def as_dict(self) -> dict:
+        """For request stats."""
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A candidate storage tier: its read throughput and its price."""
+
+    name: str
+    read_bytes_per_s: float
+    cost_per_gb: float
+
+
+@dataclass(frozen=True)
+class LoadingController:
+    """Chooses recompute ratios and storage tiers from measured profiles."""
+
+    compute: ComputeProfile
+    tiers: dict[str, TierProfile]
+    quality_floor: float = 0.15  # r*: never recompute less than this (quality)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.quality_floor <= 1.0:
+            raise ConfigError(f"quality_floor must be within [0, 1], got {self.quality_floor}")
+
+    def layer_load_time(self, bytes_per_layer_by_tier: dict[str, int]) -> float:
+        """Seconds to read one layer of every placed chunk, summed over the tiers they live in."""
+        return sum(self.tiers[t].load_time(b) for t, b in bytes_per_layer_by_tier.items() if b)
+
+    def choose_ratio(self, num_reused: int, num_uncached: int, num_tokens: int,
+                     bytes_per_layer_by_tier: dict[str, int]) -> RatioDecision:
+        """The ratio at which a layer's recompute takes as long as the next layer's load, floored at r*."""
+        load = self.layer_load_time(bytes_per_layer_by_tier)
+        c = self.compute
+        scale = 0.5 + 0.5 * num_tokens / c.num_tokens
+        per_row = c.layer_per_row_s * scale
+        if num_reused == 0:
+            balanced = 0.0
+        else:
+            balanced = (load - c.layer_fixed_s - per_row * num_uncached) / (per_row * num_reused)
+        balanced = min(max(balanced, 0.0), 1.0)
+        ratio = max(self.quality_floor, balanced)
+        recompute = c.layer_time(num_uncached + round(ratio * num_reused), num_tokens)
+        return RatioDecision(ratio, balanced, load, recompute, self.quality_floor)
+
+    def cheapest_tier(self, candidates: list[Tier], recompute_ratio: float, num_reused: int, num_uncached: int,
+                      num_tokens: int, bytes_per_layer: int) -> Tier:
+        """The cheapest tier whose per-layer load stays within the per-layer recompute at this ratio."""
+        if not candidates:
+            raise ConfigError("no candidate tiers given")
+        budget = self.compute.layer_time(num_uncached + round(recompute_ratio * num_reused), num_tokens)
+        fits = [t for t in candidates if bytes_per_layer / t.read_bytes_per_s <= budget]
+        if not fits:  # nothing hides the load: take the fastest
+            return max(candidates, key=lambda t: t.read_bytes_per_s)
+        return min(fits, key=lambda t: (t.cost_per_gb, -t.read_bytes_per_s))

@@ -1,0 +1,164 @@
+"""Retrieval and ingestion: loaders, token-aware splitting, the prompt string format, Chroma (embedded and server)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cacheblend_rag import chunk_id
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.retrieval import (
+    CHUNK_SEPARATOR,
+    ChunkRecord,
+    load_paths,
+    parse_prompt,
+    render_prompt,
+    split_texts,
+)
+from cacheblend_rag.retrieval.loaders import SourceText
+
+DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
+
+
+def test_loaders_read_every_format(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text file")
+    (tmp_path / "b.md").write_text("# Title\n\nmarkdown body")
+    (tmp_path / "c.json").write_text(json.dumps([{"title": "T", "text": "json body"}, "bare string"]))
+    (tmp_path / "d.jsonl").write_text('{"content": "line one"}\n"line two"\n\n')
+    (tmp_path / "skip.bin").write_bytes(b"\x00")
+    files, texts = load_paths([tmp_path])
+    assert [f.name for f in files] == ["a.txt", "b.md", "c.json", "d.jsonl"]
+    assert [t.text for t in texts] == ["plain text file", "# Title\n\nmarkdown body", "T\njson body",
+                                      "bare string", "line one", "line two"]
+    with pytest.raises(ConfigError, match="no such file"):
+        load_paths([tmp_path / "missing.txt"])
+
+
+def test_musique_contexts_become_one_chunk_each(tmp_path, musique, tokenizer):
+    path = tmp_path / "musique.json"
+    path.write_text(json.dumps(musique[:2]))
+    _, texts = load_paths([path])
+    expected = [f"{c['title']}\n{c['text']}" for item in musique[:2] for c in item["ctxs"]]
+    assert [chunk_id(t.text) for t in texts] == [chunk_id(e) for e in expected]  # same ids as the benchmark's
+    assert all(t.presplit for t in texts)
+    records = split_texts(texts, tokenizer)
+    assert {r.chunk_id for r in records} == {chunk_id(t) for t in expected}
+
+
+def test_split_respects_the_token_budget(tokenizer):
+    long = "\n\n".join(f"Paragraph {i}. " + "Bees collect nectar and pollen from flowers. " * 12 for i in range(30))
+    records = split_texts([SourceText(long, "long.txt")], tokenizer, chunk_tokens=128)
+    assert len(records) > 5
+    for r in records:
+        assert len(tokenizer(r.text, add_special_tokens=False)["input_ids"]) <= 128
+        assert r.chunk_id == chunk_id(r.text) and r.metadata["source"] == "long.txt"
+    again = split_texts([SourceText(long, "long.txt")], tokenizer, chunk_tokens=128)
+    assert [r.chunk_id for r in again] == [r.chunk_id for r in records]
+
+
+def test_prompt_format_round_trip():
+    chunks = ["First passage.\nWith two lines.", "Second passage  \n", "Third."]
+    text = render_prompt(chunks, "What is it?")
+    parsed = parse_prompt(text)
+    assert parsed.question == "What is it?"
+    assert [chunk_id(c) for c in parsed.chunk_texts] == [chunk_id(c) for c in chunks]
+    assert parse_prompt("just a question") is None
+    assert parse_prompt(render_prompt([], "q")).chunk_texts == []
+
+
+def test_parse_regroups_a_chunk_that_contains_the_separator():
+    tricky = "Notes" + CHUNK_SEPARATOR + "more notes"
+    chunks = ["alpha", tricky, "omega"]
+    known = {chunk_id(c) for c in chunks}
+    text = render_prompt(chunks, "q")
+    assert len(parse_prompt(text).chunk_texts) == 4  # without the store: the separator splits it
+    regrouped = parse_prompt(text, is_known=known.__contains__).chunk_texts
+    assert [chunk_id(c) for c in regrouped] == [chunk_id(c) for c in chunks]
+
+
+# ---- Chroma -------------------------------------------------------------------------------
+
+
+def _records() -> list[ChunkRecord]:
+    _, texts = load_paths([DATA])
+    return [ChunkRecord(chunk_id(t.text), t.text, {"source": Path(t.source).name}) for t in texts]
+
+
+def _check_store(store) -> None:
+    records = _records()
+    assert len(store.upsert(records)) == len(records)
+    assert store.upsert(records) == []  # re-ingestion: nothing new, no duplicates
+    assert store.count() == len(records)
+    hits = store.query("How many eyes does a honeybee have?", k=3)
+    assert len(hits) == 3 and hits[0].metadata["source"] == "07_senses.txt"
+    assert hits[0].chunk_id == chunk_id(hits[0].text) == hits[0].metadata["chunk_id"]
+    assert 0.0 < hits[0].score <= 1.0 and hits[0].score >= hits[1].score
+
+
+def test_chroma_embedded_upsert_query(tmp_path):
+    from cacheblend_rag.retrieval.chroma import ChromaChunkStore
+
+    store = ChromaChunkStore(tmp_path)
+    _check_store(store)
+    assert store.location == str(tmp_path / "chroma")
+    assert store.collection.configuration["hnsw"]["space"] == "cosine"
+    reopened = ChromaChunkStore(tmp_path)  # same embedding function: reopening is accepted
+    assert reopened.count() == store.count()
+    with pytest.raises(ConfigError, match="3 to 512"):
+        ChromaChunkStore(tmp_path, "kb")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def chroma_server(tmp_path):
+    exe = Path(sys.executable).parent / "chroma"
+    if not exe.exists():
+        exe = shutil.which("chroma")
+        if exe is None:
+            pytest.skip("the `chroma` CLI (chromadb's server) is not installed next to this Python or on PATH")
+    import urllib.request
+
+    port = _free_port()
+    log = open(tmp_path / "chroma.log", "wb")
+    proc = subprocess.Popen([str(exe), "run", "--path", str(tmp_path / "db"), "--host", "127.0.0.1",
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v2/heartbeat", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"chroma server did not start: {(tmp_path / 'chroma.log').read_text()[-2000:]}")
+                time.sleep(0.3)
+        yield "127.0.0.1", port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.mark.slow
+def test_chroma_server_on_loopback(chroma_server):
+    from cacheblend_rag.retrieval.chroma import ChromaChunkStore
+
+    host, port = chroma_server
+    store = ChromaChunkStore(host=host, port=port, collection="cacheblend_server_test")
+    assert store.location == f"http://{host}:{port}"
+    _check_store(store)
