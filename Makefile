@@ -32,7 +32,7 @@ test: install
 	$(PY) -m pytest
 
 bench: install
-	$(PY) -m cacheblend_rag.bench_engine --limit 20
+	$(VENV)/bin/cacheblend-rag bench --limit 20 --out bench-results
 
 clean:
 	rm -rf $(VENV) *.egg-info

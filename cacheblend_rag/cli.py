@@ -161,8 +161,66 @@ def _run_ask(args: argparse.Namespace) -> int:
 
 # ---- entry point --------------------------------------------------------------------------
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ingest, _add_ask]
+# ---- profile ------------------------------------------------------------------------------
+
+
+def _add_profile(subparsers) -> None:
+    p = subparsers.add_parser("profile", help="measure (once) and print the compute and storage profiles",
+                              description="Per-layer recompute time and read throughput of each storage tier, "
+                              "as the loading controller (recompute_ratio='auto') uses them.")
+    p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cache")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from .engine import CacheBlendEngine
+    from .loading.profile import load_or_measure, profile_path
+
+    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
+                                              dtype=args.dtype, home=args.home)
+    compute, tiers = load_or_measure(engine, settings.kv_dir(args.home), remeasure=args.remeasure, home=args.home)
+    if args.json:
+        print(json.dumps({"compute": asdict(compute), "tiers": {k: asdict(v) for k, v in tiers.items()},
+                          "path": str(profile_path(engine, args.home))}))
+        return 0
+    a = engine.adapter
+    print(f"model {args.model} ({a.num_layers} layers) on {a.device}, {a.dtype}; cached in {profile_path(engine, args.home)}")
+    print(f"full prefill of {compute.num_tokens} tokens: {compute.full_prefill_s:.2f} s "
+          f"({compute.full_prefill_s / (compute.num_tokens * a.num_layers) * 1e6:.1f} µs per token per layer)")
+    print(f"selective layer: {compute.layer_fixed_s * 1e3:.2f} ms + {compute.layer_per_row_s * 1e6:.2f} µs per "
+          f"recomputed token (at a {compute.num_tokens}-token context)")
+    for name, tier in tiers.items():
+        print(f"tier {name}: {tier.read_bytes_per_s / 1e9:.2f} GB/s")
+    return 0
+
+
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ingest, _add_ask, _add_profile]
 """Subcommand registrars, in help order; append one to add a subcommand (e.g. bench)."""
+
+
+# ---- bench --------------------------------------------------------------------------------
+
+
+def _add_bench(subparsers) -> None:
+    from .bench.command import add_arguments, run_cli
+
+    p = subparsers.add_parser("bench", help="benchmark every method (TTFT, quality, agreement) on MuSiQue-style data",
+                              description="Run full prefill, prefix cache, full reuse, CacheBlend at several ratios, "
+                              "the LangChain stuff / map-reduce / map-rerank chains and HuggingFacePipeline on the "
+                              "same model and prompts; write results.json, results.md and quality_vs_ttft.png.")
+    add_arguments(p)
+    p.set_defaults(func=run_cli)
+
+
+REGISTRARS.append(_add_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from .decode.generate import SamplingSettings, cut_at_stop, decode
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.layout import PromptTemplate, assemble
-from .fuse.loop import run_layers
+from .fuse.loop import LoopResult, run_layers
 from .fuse.policies import CacheBlend, FullReuse, Policy, Reuse, make_policy
 from .fuse.sequence import FusedSequence, Placement
 from .ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
@@ -263,7 +263,7 @@ class CacheBlendEngine:
                         self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
             self._promote(seq)
 
-        stats = self._stats(seq, active, result.rows_per_layer, hits, misses, resolved)
+        stats = self._stats(seq, active, result, hits, misses, resolved)
         stats.update(method=policy.name, ttft_s=ttft, timing=timing,
                      kv_bytes_loaded=sum(p.kv.bytes_read if isinstance(p.kv, DiskLayers) else p.kv.nbytes
                                          for p in seq.placements))
@@ -351,12 +351,12 @@ class CacheBlendEngine:
         return placements, hits, misses
 
     @staticmethod
-    def _stats(seq: FusedSequence, active: torch.Tensor, rows_per_layer: list[int], hits, misses, chunks) -> dict:
+    def _stats(seq: FusedSequence, active: torch.Tensor, result: LoopResult, hits, misses, chunks) -> dict:
         reused = seq.reused
         num_reused = int(reused.sum())
         num_uncached = int((~seq.cached).sum())
         hole_rows = sum(c.num_tokens for c in chunks if c.chunk_id in misses)
-        recomputed = [r - num_uncached for r in rows_per_layer]  # reused rows computed per layer
+        recomputed = result.reused_rows_per_layer
         return {
             "num_tokens": seq.num_rows,
             "num_reused": num_reused,
@@ -367,7 +367,7 @@ class CacheBlendEngine:
             "recompute_ratio_effective": (sum(recomputed) / (len(recomputed) * num_reused)) if num_reused else 0.0,
             "chunk_hits": list(hits),
             "chunk_misses": list(misses),
-            "rows_per_layer": rows_per_layer,
+            "rows_per_layer": result.rows_per_layer,
         }
 
     # ---- generation ---------------------------------------------------------------------

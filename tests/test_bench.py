@@ -8,8 +8,21 @@ import math
 import pytest
 import torch
 
-from cacheblend_rag.bench.engine_bench import MethodSpec, main as bench_main
-from cacheblend_rag.bench.metrics import best_f1, first_token_kl, normalize_answer, rouge_l, token_f1
+from cacheblend_rag.bench.engine_bench import (
+    MethodSpec,
+    format_table,
+    parse_methods,
+    percentile,
+    summarize,
+)
+from cacheblend_rag.bench.engine_bench import main as bench_main
+from cacheblend_rag.bench.metrics import (
+    best_f1,
+    first_token_kl,
+    normalize_answer,
+    rouge_l,
+    token_f1,
+)
 
 
 def test_normalize_answer_follows_squad():
@@ -47,8 +60,17 @@ def test_method_spec_parsing():
     assert MethodSpec.parse("full_reuse").ratio is None
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a shared 2-core machine, 2 OpenMP threads per process oversubscribe and spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.model
-def test_engine_bench_end_to_end(musique, tmp_path, capsys, monkeypatch):
+def test_engine_bench_end_to_end(musique, tmp_path, capsys, monkeypatch, one_thread):
     from conftest import musique_path
 
     bench_main([str(musique_path()), "--limit", "1", "--chunks", "2", "--methods", "full_prefill,cacheblend@0.15",
@@ -60,3 +82,147 @@ def test_engine_bench_end_to_end(musique, tmp_path, capsys, monkeypatch):
     assert result["summary"]["full_prefill"]["speedup"] == pytest.approx(1.0)
     assert result["summary"]["full_prefill"]["agreement_f1"] == pytest.approx(1.0)
     assert 0 < result["summary"]["cacheblend@0.15"]["recompute_ratio_effective"] < 0.5
+
+
+# ---- the `cacheblend-rag bench` command ----------------------------------------------------------------
+
+
+def test_rouge_l_more_cases():
+    assert rouge_l("Exeter College", "exeter college.") == 1.0
+    # LCS of [b, c] vs [c, b] is 1 → P = R = 1/2
+    assert rouge_l("red blue", "blue red") == pytest.approx(0.5)
+    assert rouge_l("", "") == 1.0 and rouge_l("", "x") == 0.0
+
+
+def test_percentile_nearest_rank():
+    assert percentile([3.0], 0.9) == 3.0
+    assert percentile([float(i) for i in range(1, 11)], 0.9) == 10.0
+    assert percentile([5.0, 1.0, 3.0], 0.5) == 3.0
+
+
+def test_parse_methods_expands_cacheblend_and_puts_full_prefill_first():
+    specs = parse_methods("cacheblend,map_reduce", (0.05, 0.3))
+    assert [s.label for s in specs] == ["full_prefill", "cacheblend@0.05", "cacheblend@0.30", "map_reduce"]
+    assert specs[1].ratio == 0.05 and specs[3].is_chain and not specs[1].is_chain
+    assert [s.label for s in parse_methods("cacheblend/deviation=k", (0.15,))][1] == "cacheblend@0.15/deviation=k"
+    default = [s.label for s in parse_methods(None, (0.15,), hf_available=True)]
+    assert default == ["full_prefill", "prefix_cache", "full_reuse", "cacheblend@0.15", "stuff", "map_reduce",
+                       "map_rerank", "hf_pipeline"]
+    assert "hf_pipeline" not in [s.label for s in parse_methods(None, (0.15,), hf_available=False)]
+    sweep = parse_methods(None, (0.1, 1.0), sweep=True)
+    assert [s.ratio_of_recompute for s in sweep] == [1.0, 0.0, 0.1, 1.0]
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_methods("full_prefil")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_methods("full_reuse,full_reuse")
+
+
+def _record(method, ttft, answer, *, kind="engine", kl=0.0, match=True):
+    return {"method": method, "kind": kind, "ttft_kind": "prefill" if kind == "engine" else "first_stream_chunk",
+            "ttft_s": ttft, "latency_s": ttft + 1, "f1": 1.0 if answer == "paris" else 0.0,
+            "agreement_f1": token_f1(answer, "paris"), "agreement_rouge_l": rouge_l(answer, "paris"),
+            "first_token_match": None if kind == "chain" else match, "kl": None if kind == "chain" else kl,
+            "recompute_ratio_effective": 0.15 if method.startswith("cacheblend") else None,
+            "kv_bytes_loaded": 2_000_000 if method.startswith("cacheblend") else None, "llm_calls": 1}
+
+
+def test_summarize_and_table_with_chain_methods():
+    records = [_record("full_prefill", 4.0, "paris"), _record("full_prefill", 2.0, "paris"),
+               _record("cacheblend@0.15", 1.0, "paris", kl=0.2), _record("cacheblend@0.15", 0.5, "rome", match=False),
+               _record("map_reduce", 6.0, "paris", kind="chain"), _record("map_reduce", 6.0, "paris", kind="chain")]
+    summary = summarize(records, ["full_prefill", "cacheblend@0.15", "map_reduce"])
+    assert summary["full_prefill"]["speedup"] == pytest.approx(1.0)
+    cb = summary["cacheblend@0.15"]
+    assert cb["speedup"] == pytest.approx(3.0 / 0.75) and cb["f1"] == 0.5 and cb["first_token_match"] == 0.5
+    assert cb["kl"] == pytest.approx(0.1) and cb["kv_bytes_loaded"] == 2_000_000
+    assert cb["ttft_p90_s"] == 1.0
+    mr = summary["map_reduce"]
+    assert mr["kl"] is None and mr["first_token_match"] is None and mr["speedup"] == pytest.approx(0.5)
+    rows = format_table(summary).splitlines()
+    assert len(rows) == 2 + 3 and all(r.count("|") == rows[0].count("|") for r in rows)
+    assert rows[3].startswith("| cacheblend@0.15 | 0.750 |") and "| 2.0 |" in rows[3]
+    assert rows[4].startswith("| map_reduce | 6.000* |") and "| – | – |" in rows[4]
+
+
+def test_plots_and_markdown(tmp_path):
+    from cacheblend_rag.bench.report import (
+        format_markdown,
+        plot_quality_vs_ratio,
+        plot_quality_vs_ttft,
+    )
+
+    records = [_record("full_prefill", 4.0, "paris"), _record("full_reuse", 0.5, "rome"),
+               _record("cacheblend@0.15", 1.0, "paris"), _record("map_rerank", 6.0, "paris", kind="chain")]
+    summary = summarize(records, ["full_prefill", "full_reuse", "cacheblend@0.15", "map_rerank"])
+    for label, ratio in (("full_prefill", 1.0), ("full_reuse", 0.0), ("cacheblend@0.15", 0.15), ("map_rerank", None)):
+        summary[label]["ratio"] = ratio
+    png = plot_quality_vs_ttft(summary, tmp_path / "q.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_quality_vs_ratio(summary, tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    meta = {"dataset_name": "toy", "questions": 1, "chunks": 2, "chunk_tokens": None, "model": "m", "dtype": "float32",
+            "lead_in": "prefix", "max_new_tokens": 4, "seed": 0, "machine": "here"}
+    md = format_markdown({"meta": meta, "summary": summary, "throughput": None,
+                          "ingest": {"chunks": 2, "tokens": 10, "seconds": 1.0, "tokens_per_s": 10.0}})
+    assert "| map_rerank | 6.000* |" in md and "## Throughput" not in md
+
+
+def test_resolve_dataset_errors(tmp_path, monkeypatch):
+    from cacheblend_rag.bench import datasets
+    from cacheblend_rag.bench.command import resolve_dataset
+
+    with pytest.raises(FileNotFoundError, match="not found"):
+        resolve_dataset(str(tmp_path / "missing.json"))
+    monkeypatch.delenv(datasets.DATASET_ENV, raising=False)
+    monkeypatch.setattr(datasets, "DEFAULT_DATASET", tmp_path / "none.json")
+    with pytest.raises(FileNotFoundError, match="no DATASET given"):
+        resolve_dataset(None)
+    data = tmp_path / "d.json"
+    data.write_text(json.dumps([{"ctxs": [{"title": "T", "text": "x"}], "question": "q?", "answers": ["a"]}]))
+    monkeypatch.setenv(datasets.DATASET_ENV, str(data))
+    assert resolve_dataset(None) == data
+    assert datasets.load_dataset(data, 1)[0]["question"] == "q?"
+    assert datasets.passages_of(datasets.load_dataset(data, None)[0], 6) == ["T\nx"]
+
+
+@pytest.mark.model
+def test_rechunk_to_token_length(musique, tokenizer):
+    from cacheblend_rag.bench.datasets import passages_of, question_passages
+
+    chunks = question_passages(musique[0], 3, 64, tokenizer)
+    assert len(chunks) == 3
+    lengths = [len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in chunks]
+    assert all(56 <= n <= 84 for n in lengths), lengths
+    joined = " ".join(" ".join(p.split()) for p in passages_of(musique[0], None))
+    assert " ".join(chunks[0].split()) in joined  # cut from the passages in order, whole words
+    assert question_passages(musique[0], 2, None, tokenizer) == passages_of(musique[0], 2)
+
+
+@pytest.mark.model
+def test_bench_command_end_to_end(musique, tmp_path, capsys, one_thread):
+    from conftest import musique_path
+
+    from cacheblend_rag.cli import main as cli_main
+
+    out = tmp_path / "tmp"
+    code = cli_main(["bench", str(musique_path()), "--limit", "1", "--chunks", "2", "--methods",
+                     "full_prefill,cacheblend@0.15,map_reduce", "--max-new-tokens", "4", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "results.json").read_text())
+    assert set(result) >= {"meta", "records", "summary", "ingest", "throughput"}
+    assert result["meta"]["methods"] == ["full_prefill", "cacheblend@0.15", "map_reduce"]
+    assert [r["method"] for r in result["records"]] == ["full_prefill", "cacheblend@0.15", "map_reduce"]
+    record_keys = {"question_index", "method", "ttft_s", "latency_s", "answer", "gold", "f1", "agreement_f1",
+                   "agreement_rouge_l", "first_token_match", "kl", "recompute_ratio_effective", "kv_bytes_loaded"}
+    assert all(record_keys <= set(r) for r in result["records"])
+    summary = result["summary"]
+    assert list(summary) == ["full_prefill", "cacheblend@0.15", "map_reduce"]
+    assert summary["full_prefill"]["speedup"] == pytest.approx(1.0)
+    assert summary["full_prefill"]["agreement_f1"] == pytest.approx(1.0)
+    assert summary["cacheblend@0.15"]["kv_bytes_loaded"] > 0 and summary["cacheblend@0.15"]["kl"] is not None
+    assert summary["map_reduce"]["kind"] == "chain" and summary["map_reduce"]["kl"] is None
+    assert summary["map_reduce"]["first_token_match"] is None and summary["map_reduce"]["llm_calls"] == 3
+    md = (out / "results.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["full_prefill", "cacheblend@0.15", "map_reduce"]
+    assert (out / "quality_vs_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| cacheblend@0.15 |" in capsys.readouterr().out

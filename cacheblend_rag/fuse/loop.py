@@ -22,11 +22,12 @@ from .sequence import FusedSequence
 class RowPolicy(Protocol):
     """Decides, per layer, which active rows stay active."""
 
-    def keep(self, layer: int, rows: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
-             seq: FusedSequence) -> torch.Tensor | None:
+    def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
+             fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
         """A bool mask over `rows` of those that stay active from this layer on, or None to keep all.
 
-        fresh_k (pre-RoPE) and fresh_v are the rows' K/V at this layer, (M, kv_heads, d).
+        fresh_q (M, heads, d), fresh_k and fresh_v (M, kv_heads, d) are the rows' projections at this
+        layer, q and k before RoPE.
         """
 
 
@@ -39,6 +40,7 @@ class LoopResult:
     rows: torch.Tensor | None = None  # (M,) rows active in the last computed layer
     hidden: torch.Tensor | None = None  # (M, hidden) their hidden states after it
     rows_per_layer: list[int] = field(default_factory=list)  # how many rows each layer computed
+    reused_rows_per_layer: list[int] = field(default_factory=list)  # of those, rows whose cached KV was approximate
     fresh_keys: list[torch.Tensor] = field(default_factory=list)  # per layer, pre-RoPE K of active rows (if recorded)
     fresh_values: list[torch.Tensor] = field(default_factory=list)
 
@@ -68,7 +70,7 @@ def run_layers(
     result = LoopResult()
     for layer in range(adapter.num_layers):
         q, k, v = adapter.project_qkv(layer, hidden)
-        keep = policy.keep(layer, rows, k, v, seq)
+        keep = policy.keep(layer, rows, q, k, v, seq)
         if keep is not None:
             keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
             rows, hidden, q, k, v = rows[keep], hidden[keep], q[keep], k[keep], v[keep]
@@ -95,5 +97,6 @@ def run_layers(
         result.keys.append(layer_k)
         result.values.append(layer_v)
         result.rows_per_layer.append(int(rows.numel()))
+        result.reused_rows_per_layer.append(int(seq.reused[rows].sum()))
     result.rows, result.hidden = rows, hidden
     return result

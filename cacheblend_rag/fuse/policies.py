@@ -29,7 +29,7 @@ class Reuse(enum.Enum):
 
 
 class _KeepAll:
-    def keep(self, layer, rows, fresh_k, fresh_v, seq):  # noqa: D102 - RowPolicy
+    def keep(self, layer, rows, fresh_q, fresh_k, fresh_v, seq):  # noqa: D102 - RowPolicy
         return None
 
 
@@ -80,16 +80,19 @@ class CacheBlend:
     `recompute_ratio` of reused rows (plus every row without cache) are then computed
     in all layers; the rest keep their cached KV. `schedule` adds gradual filtering
     (§4.3): ((layer, ratio), ...) narrows the selection at later layers by the
-    deviation measured there. With recompute_ratio=1 this is full prefill; with 0,
-    full reuse.
+    deviation measured there. By default the deviation is weighted by the attention
+    the question gives each token at the check layer (a deviation the question does not
+    read cannot move the answer); `weight="none"` is the paper's plain HKVD. With
+    recompute_ratio=1 this is full prefill; with 0, full reuse.
     """
 
     recompute_ratio: float = 0.15
     check_layers: tuple[int, ...] = (1,)
-    deviation: str = "v"  # measure the deviation on "k", "v" or both ("kv")
+    deviation: str = "k"  # measure the deviation on "k", "v" or both ("kv"); K measured best here (docs/benchmarks.md)
     selection: str = "global"  # top tokens over all chunks, or "per_chunk" (the same ratio in each chunk)
     chunk_head_tokens: int = 0  # always recompute the first n tokens of each reused chunk
     schedule: tuple[tuple[int, float], ...] = ()  # gradual filtering: (layer, ratio) after the probe
+    weight: str = "attention"  # weight deviations by the question's attention to each token ("none": plain HKVD)
     name: str = field(default="cacheblend", init=False)
     reuse: Reuse = field(default=Reuse.ALL, init=False)
 
@@ -101,6 +104,8 @@ class CacheBlend:
             raise ConfigError(f"check_layers must be non-empty and ≥ 0, got {self.check_layers}")
         if self.deviation not in DEVIATIONS:
             raise ConfigError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
+        if self.weight not in ("none", "attention"):
+            raise ConfigError(f"weight must be 'none' or 'attention', got {self.weight!r}")
         if self.selection not in SELECTIONS:
             raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
         last_check = max(self.check_layers)
@@ -121,13 +126,13 @@ class CacheBlend:
             last_check = max(self.check_layers)
             if last_check >= adapter.num_layers:
                 raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
-            probe = _Probe(self.check_layers, self.deviation)
+            probe = _Probe(adapter, self.check_layers, self.deviation, self.weight)
             run_layers(adapter, seq, probe, torch.ones_like(seq.cached), until_layer=last_check)
             selected |= self._select(probe.score.masked_fill(~reused, -math.inf), seq, budget)
         return ~seq.cached | (selected & reused)
 
-    def keep(self, layer: int, rows: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
-             seq: FusedSequence) -> torch.Tensor | None:
+    def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
+             fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
         """Gradual filtering: at a scheduled layer keep the active reused rows of highest deviation there."""
         ratio = dict(self.schedule).get(layer)
         if ratio is None:
@@ -182,22 +187,49 @@ def _score(deviation: str, fresh_k, fresh_v, cached_k, cached_v) -> torch.Tensor
 
 
 class _Probe:
-    """Runs inside the layer loop over every row and sums the (normalized) deviations at the check layers."""
+    """Runs inside the layer loop over every row and scores the reused rows at the check layers.
 
-    def __init__(self, check_layers: tuple[int, ...], deviation: str) -> None:
+    The score is the KV deviation (normalized per layer), optionally weighted by how much the
+    question's rows attend to each row at that layer: a deviation the question never reads
+    cannot move the answer.
+    """
+
+    def __init__(self, adapter: LlamaFamilyAdapter, check_layers: tuple[int, ...], deviation: str, weight: str) -> None:
+        self.adapter = adapter
         self.check_layers = tuple(sorted(set(check_layers)))
         self.deviation = deviation
+        self.weight = weight
         self.score: torch.Tensor | None = None
 
-    def keep(self, layer: int, rows: torch.Tensor, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
-             seq: FusedSequence) -> torch.Tensor | None:
+    def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
+             fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
         if layer not in self.check_layers:
             return None
         cached_k, cached_v = seq.cached_kv(layer)
         score = _score(self.deviation, fresh_k, fresh_v, cached_k, cached_v)
         score = score / score[seq.reused].mean().clamp_min(1e-12)  # layers weigh alike
+        if self.weight == "attention":
+            attention = self._question_attention(layer, fresh_q, fresh_k, seq)
+            score = score * attention / attention[seq.reused].mean().clamp_min(1e-12)
         self.score = score if self.score is None else self.score + score
         return None
+
+    def _question_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, seq: FusedSequence) -> torch.Tensor:
+        """(N,) mean attention weight the trailing uncached rows (the question) give each row."""
+        uncached = ~seq.cached
+        # the trailing run of uncached rows: the question suffix
+        tail = int(torch.flip(uncached.int(), (0,)).cumprod(0).sum())
+        n = seq.num_rows
+        positions = torch.arange(n, device=q.device)
+        cos, sin = self.adapter.rotary(positions)
+        q_rot = self.adapter.rope(q[n - tail:], cos[n - tail:], sin[n - tail:]).float()  # (S, H, d)
+        k_rot = self.adapter.rope(k, cos, sin).float()  # (N, KVH, d)
+        groups = q_rot.shape[1] // k_rot.shape[1]
+        k_rot = k_rot.repeat_interleave(groups, dim=1)
+        logits = torch.einsum("shd,nhd->hsn", q_rot, k_rot) * self.adapter.scaling(layer)
+        causal = positions[None, :] <= positions[n - tail:, None]  # (S, N)
+        probs = logits.masked_fill(~causal[None], float("-inf")).softmax(-1)
+        return probs.mean(dim=(0, 1))
 
 
 METHODS = ("full_prefill", "prefix_cache", "full_reuse", "cacheblend")

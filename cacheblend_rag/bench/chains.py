@@ -1,0 +1,144 @@
+"""Chain-based methods: the LCEL chains of the LangChain integration, timed the way a chain user sees them.
+
+- `stuff`: `create_stuff_chain` on `CacheBlendLLM` (all passages in one fused prompt);
+- `map_reduce`, `map_rerank`: `create_map_reduce_chain` / `create_map_rerank_chain` on `CacheBlendLLM`;
+- `hf_pipeline`: the stuff chain on langchain-huggingface's `HuggingFacePipeline` over the *same* model object,
+  given the engine's prompt decoded to text. The pipeline re-tokenizes that string as a whole, so at a chunk
+  boundary its token sequence can differ from the engine's by a token or two (`same_tokens` in each record).
+
+The retriever is an in-memory one that returns this question's passages as Documents, wrapped in
+`ChunkIdRetriever`. TTFT of a chain is the time from `.stream(question)` to its first non-empty chunk
+(retrieval + prompt + prefill + the first decoded word; map_reduce includes every map call; map_rerank's last
+step is not streamable, so its first chunk is its answer). Latency is a separate `.invoke(question)`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..engine import CacheBlendEngine
+from ..fuse.layout import assemble
+from .engine_bench import MethodSpec
+
+DEFAULT_CHAIN_METHOD = "cacheblend"
+DEFAULT_CHAIN_RATIO = 0.15
+
+
+def hf_available() -> bool:
+    """Whether langchain-huggingface can be imported (the hf_pipeline method)."""
+    try:
+        import langchain_huggingface  # noqa: F401
+    except Exception:  # noqa: BLE001 (ImportError, or a broken dependency pin)
+        return False
+    return True
+
+
+def engine_prompt_text(engine: CacheBlendEngine, texts: list[str], question: str) -> tuple[str, list[int]]:
+    """The engine's prompt for (chunks, question) as text, and the token ids the engine would run."""
+    chunks = [engine.resolve_chunk(t) for t in texts]
+    prefix, separator, suffix = engine.template.render(engine.tokenizer, question)
+    ids = assemble(prefix, [c.token_ids for c in chunks], separator, suffix).token_ids.tolist()
+    return engine.tokenizer.decode(ids, skip_special_tokens=False), ids
+
+
+class ChainRunner:
+    """Builds the LLMs once and runs a chain method on one question's passages."""
+
+    def __init__(self, engine: CacheBlendEngine, *, max_new_tokens: int, seed: int = 0) -> None:
+        from ..integrations.langchain import CacheBlendLLM  # noqa: F401 (fails early without langchain-core)
+
+        self.engine = engine
+        self.max_new_tokens = max_new_tokens
+        self.seed = seed
+        self._llms: dict[tuple, object] = {}
+        self._hf = None
+
+    # -- LLMs --
+
+    def cacheblend_llm(self, spec: MethodSpec):
+        """A CacheBlendLLM on the shared engine, with the spec's method and ratio."""
+        from ..integrations.langchain import CacheBlendLLM
+
+        method = str(spec.options.get("method", DEFAULT_CHAIN_METHOD))
+        ratio = spec.ratio if spec.ratio is not None else DEFAULT_CHAIN_RATIO
+        key = (method, ratio)
+        if key not in self._llms:
+            self._llms[key] = CacheBlendLLM(engine=self.engine, method=method, recompute_ratio=ratio,
+                                            max_new_tokens=self.max_new_tokens, seed=self.seed)
+        return self._llms[key]
+
+    def hf_llm(self):
+        """HuggingFacePipeline over the engine's own model and tokenizer: greedy, new text only."""
+        if self._hf is None:
+            from langchain_huggingface import HuggingFacePipeline
+            from transformers import pipeline
+
+            kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": False, "return_full_text": False}
+            pipe = pipeline("text-generation", model=self.engine.model, tokenizer=self.engine.tokenizer, **kwargs)
+            self._hf = HuggingFacePipeline(pipeline=pipe, pipeline_kwargs=kwargs)
+        return self._hf
+
+    # -- one run --
+
+    def chain(self, spec: MethodSpec, passages: list[str]):
+        """The chain of a spec over a retriever that returns `passages`."""
+        from langchain_core.documents import Document
+        from langchain_core.runnables import RunnableLambda
+
+        from ..integrations.langchain import (
+            ChunkIdRetriever,
+            create_map_reduce_chain,
+            create_map_rerank_chain,
+            create_stuff_chain,
+        )
+
+        docs = [Document(page_content=p) for p in passages]
+        retriever = ChunkIdRetriever(base=RunnableLambda(lambda _query: list(docs), name="passages"))
+        if spec.method == "hf_pipeline":
+            def prompt(inputs: dict) -> str:
+                return engine_prompt_text(self.engine, [d.page_content for d in inputs["context"]],
+                                          inputs["question"])[0]
+
+            return create_stuff_chain(retriever, self.hf_llm(), RunnableLambda(prompt, name="engine_prompt"))
+        make = {"stuff": create_stuff_chain, "map_reduce": create_map_reduce_chain,
+                "map_rerank": create_map_rerank_chain}[spec.method]
+        return make(retriever, self.cacheblend_llm(spec))
+
+    def run(self, spec: MethodSpec, passages: list[str], question: str) -> dict:
+        """Stream once (TTFT), invoke once (latency, answer, engine stats); a record without KL/match."""
+        from ..integrations.langchain import StatsCallbackHandler
+
+        chain = self.chain(spec, passages)
+        started = time.perf_counter()
+        first = None
+        pieces: list[str] = []
+        for piece in chain.stream(question):
+            if piece and first is None:
+                first = time.perf_counter() - started
+            pieces.append(piece)
+        stream_s = time.perf_counter() - started
+
+        handler = StatsCallbackHandler()
+        started = time.perf_counter()
+        answer = chain.invoke(question, config={"callbacks": [handler]})
+        latency = time.perf_counter() - started
+
+        requests = handler.requests
+        reused = sum(r.get("num_reused", 0) for r in requests)
+        record = {
+            "kind": "chain", "ttft_kind": "first_stream_chunk",
+            "ttft_s": first if first is not None else stream_s, "stream_s": stream_s, "latency_s": latency,
+            "answer": answer.strip(), "stream_answer": "".join(pieces).strip(),
+            "recompute_ratio_effective": (sum(r.get("recompute_ratio_effective", 0.0) * r.get("num_reused", 0)
+                                              for r in requests) / reused) if reused else (0.0 if requests else None),
+            "kv_bytes_loaded": None, "num_tokens": sum(r.get("num_tokens", 0) for r in requests) or None,
+            "llm_calls": len(requests) or None, "engine_ttft_s": sum(r.get("ttft_s", 0.0) for r in requests) or None,
+        }
+        if spec.method == "hf_pipeline":
+            text, ids = engine_prompt_text(self.engine, passages, question)
+            pipe = self.hf_llm().pipeline
+            seen = pipe.tokenizer(text, add_special_tokens=False)["input_ids"]
+            # The string is re-tokenized as a whole: at a chunk boundary a merge can differ by a token or two.
+            record.update(llm_calls=1, num_tokens=len(seen), engine_num_tokens=len(ids),
+                          same_tokens=list(seen) == list(ids))
+        return record

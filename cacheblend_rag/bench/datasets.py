@@ -1,0 +1,70 @@
+"""Benchmark data: MuSiQue-style JSON, the passages of a question, and re-chunking to a token length."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+DEFAULT_DATASET = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "musique_dev.json"
+DATASET_ENV = "CACHEBLEND_RAG_MUSIQUE"
+
+
+def default_dataset() -> Path | None:
+    """$CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json next to the repo; None when neither exists."""
+    env = os.environ.get(DATASET_ENV)
+    for path in ([Path(env).expanduser()] if env else []) + [DEFAULT_DATASET]:
+        if path.is_file():
+            return path
+    return None
+
+
+def load_dataset(path: str | Path, limit: int | None, *, shuffle: bool = False, seed: int = 0) -> list[dict]:
+    """MuSiQue-style JSON: [{ctxs: [{title, text}], question, answers}]; the first `limit` (or a seeded sample)."""
+    items = json.loads(Path(path).read_text())
+    if not isinstance(items, list) or not all(isinstance(i, dict) and "question" in i and "ctxs" in i for i in items):
+        raise ValueError(f"{path}: expected a JSON list of {{ctxs: [{{title, text}}], question, answers}}")
+    if shuffle:
+        items = list(items)
+        random.Random(seed).shuffle(items)
+    return items[:limit] if limit else items
+
+
+def passages_of(item: dict, num_chunks: int | None) -> list[str]:
+    """The first passages of a question, as 'title\\ntext' chunks."""
+    ctxs = item["ctxs"] if num_chunks is None else item["ctxs"][:num_chunks]
+    return [f"{c['title']}\n{c['text']}" if c.get("title") else c["text"] for c in ctxs]
+
+
+def rechunk(passages: list[str], chunk_tokens: int, num_chunks: int, tokenizer) -> list[str]:
+    """`num_chunks` chunks of about `chunk_tokens` tokens cut from the passages read in order.
+
+    Passages are joined with blank lines and the token stream is cut every `chunk_tokens` tokens (a long
+    passage is split, short ones merge): chunk length varies while the chunk count stays fixed (Figure 15).
+    Cuts move forward to the next token that starts a word, so chunks are whole words; re-tokenized on their
+    own, a chunk is within a few tokens of `chunk_tokens`.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be ≥ 1, got {chunk_tokens}")
+    ids = tokenizer("\n\n".join(passages), add_special_tokens=False)["input_ids"]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    starts_word = [p.startswith(("Ġ", "▁", "Ċ", " ", "\n")) for p in pieces]
+    chunks: list[str] = []
+    start = 0
+    while start < len(ids) and len(chunks) < num_chunks:
+        end = min(start + chunk_tokens, len(ids))
+        while end < len(ids) and not starts_word[end] and end - start < chunk_tokens + 16:
+            end += 1
+        text = tokenizer.decode(ids[start:end], skip_special_tokens=True).strip()
+        if text:
+            chunks.append(text)
+        start = end
+    return chunks
+
+
+def question_passages(item: dict, num_chunks: int, chunk_tokens: int | None, tokenizer) -> list[str]:
+    """The chunks one question is answered from: its first passages, or all of them re-cut to `chunk_tokens`."""
+    if chunk_tokens:
+        return rechunk(passages_of(item, None), chunk_tokens, num_chunks, tokenizer)
+    return passages_of(item, num_chunks)

@@ -1,0 +1,137 @@
+"""Benchmark outputs: results.json, results.md and the quality-vs-TTFT (and quality-vs-ratio) plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .engine_bench import format_table
+
+NOTES = """\
+- TTFT: engine methods — the prefill of the fused prompt up to the first token's logits (KV already ingested);
+  chain methods (marked `*`) — `.stream(question)` to the first non-empty chunk: retrieval, prompt, every LLM
+  call before the last, the last prefill and its first decoded word (map_rerank's last step does not stream,
+  so its first chunk is its whole answer).
+- latency: engine methods — prefill + decode; chain methods — a separate `.invoke(question)`.
+- speedup: median TTFT of full_prefill / median TTFT of the method, in this run.
+- gold F1: SQuAD token F1, max over the gold answers. Agreement: token F1 and ROUGE-L of the answer vs this
+  question's full_prefill answer; 1st-token match and KL(full ‖ method) of the first-token distribution
+  (engine methods only; `–` where not observable).
+- recomputed: share of reused chunk tokens recomputed per layer (chains: over all their calls).
+  KV loaded: bytes of stored KV placed into the prompt (engine methods)."""
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _finite(v) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def plot_quality_vs_ttft(summary: dict[str, dict], path: str | Path, title: str = "") -> Path:
+    """One point per method: median TTFT on x; gold F1 (left) and agreement with full prefill (right) on y."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharex=True)
+    panels = (("f1", "gold token F1"), ("agreement_f1", "agreement with full prefill (token F1)"))
+    for ax, (key, ylabel) in zip(axes, panels):
+        xs = [s["ttft_median_s"] for s in summary.values() if _finite(s.get(key)) and s["ttft_median_s"] > 0]
+        if xs and max(xs) / min(xs) > 8:
+            ax.set_xscale("log")
+        for i, (label, s) in enumerate(summary.items()):
+            if not _finite(s.get(key)):
+                continue
+            chain = s.get("kind") == "chain"
+            ax.scatter(s["ttft_median_s"], s[key], marker="s" if chain else "o", s=46,
+                       color="tab:orange" if chain else ("tab:blue" if label.startswith("cacheblend") else "tab:gray"),
+                       zorder=3)
+            ax.annotate(label, (s["ttft_median_s"], s[key]), textcoords="offset points", xytext=(5, 4 - 10 * (i % 3)), fontsize=8)
+        ax.set_xlabel("TTFT median (s)  [chains: first streamed chunk]")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.03, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0].scatter([], [], marker="o", color="tab:blue", label="CacheBlend")
+    axes[0].scatter([], [], marker="o", color="tab:gray", label="other engine methods")
+    axes[0].scatter([], [], marker="s", color="tab:orange", label="LangChain chains")
+    axes[0].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title or "quality vs time to first token (one point per method)", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_quality_vs_ratio(summary: dict[str, dict], path: str | Path, title: str = "") -> Path | None:
+    """Quality vs recompute ratio (full reuse at 0, full prefill at 1): the sweep plot; None without points."""
+    points = sorted(((s["ratio"], s) for s in summary.values() if _finite(s.get("ratio")) and s.get("kind") != "chain"),
+                    key=lambda p: p[0])
+    if len(points) < 2:
+        return None
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [r for r, _ in points]
+    for key, label, marker in (("f1", "gold F1", "o"), ("agreement_f1", "agreement F1", "s"),
+                               ("first_token_match", "1st-token match", "^")):
+        ys = [s.get(key) for _, s in points]
+        if all(_finite(y) for y in ys):
+            ax.plot(xs, ys, marker=marker, label=label)
+    ax.set_xlabel("recompute ratio (0 = full reuse, 1 = full prefill)")
+    ax.set_ylabel("quality")
+    ax.set_ylim(-0.03, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "quality vs recompute ratio", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_markdown(result: dict) -> str:
+    """results.md: what ran, ingestion, the summary table, throughput (if measured), how it was measured."""
+    from .load import format_load_table
+
+    meta = result["meta"]
+    ing = result["ingest"]
+    lines = [
+        f"# cacheblend-rag bench — {meta['dataset_name']}",
+        "",
+        f"{meta['questions']} questions × {meta['chunks']} chunks"
+        + (f" of ~{meta['chunk_tokens']} tokens" if meta.get("chunk_tokens") else " (passages)")
+        + f", model {meta['model']} ({meta['dtype']}), lead-in {meta['lead_in']}, max_new_tokens "
+        f"{meta['max_new_tokens']}, seed {meta['seed']}; {meta['machine']}",
+        "",
+        f"ingestion (before timing): {ing['chunks']} chunks, {ing['tokens']} tokens in {ing['seconds']:.1f} s"
+        + (f" ({ing['tokens_per_s']:.0f} tokens/s)" if ing.get("tokens_per_s") else ""),
+        "",
+        format_table(result["summary"]),
+    ]
+    if result.get("throughput"):
+        lines += ["", "## Throughput", "", format_load_table(result["throughput"])]
+    lines += ["", NOTES, ""]
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict, out: str | Path) -> dict[str, Path]:
+    """results.json, results.md, quality_vs_ttft.png (and quality_vs_ratio.png for a sweep) under `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "md": out / "results.md"}
+    paths["json"].write_text(json.dumps(result, indent=1, default=str))
+    paths["md"].write_text(format_markdown(result))
+    meta = result["meta"]
+    title = f"{meta['dataset_name']}: {meta['questions']} q × {meta['chunks']} chunks, {meta['model']}"
+    paths["png"] = plot_quality_vs_ttft(result["summary"], out / "quality_vs_ttft.png", title)
+    if meta.get("sweep"):
+        ratio_png = plot_quality_vs_ratio(result["summary"], out / "quality_vs_ratio.png", title)
+        if ratio_png:
+            paths["ratio_png"] = ratio_png
+    return paths
