@@ -2,6 +2,6 @@
 
 from .attention import causal_attention_rows
 from .deviation import kv_deviation
-from .rope import apply_rope, rotate_half
+from .rope import apply_rope, apply_rope_reference, rotate_half
 
-__all__ = ["apply_rope", "causal_attention_rows", "kv_deviation", "rotate_half"]
+__all__ = ["apply_rope", "apply_rope_reference", "causal_attention_rows", "kv_deviation", "rotate_half"]

@@ -85,3 +85,25 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 def tiny(request, tokenizer):
     """(arch, model, tokenizer) for each supported architecture."""
     return request.param, tiny_model(request.param, len(tokenizer)), tokenizer
+
+
+@pytest.fixture(scope="session")
+def integrations_home(tmp_path_factory, default_model):
+    """A home shared by the integration tests (the KV store is content-addressed, so sharing only saves
+    recomputation); its models folder links to the already-converted model (no second conversion)."""
+    from cacheblend_rag import settings
+
+    home = tmp_path_factory.getbasetemp() / "integrations-home"
+    home.mkdir(exist_ok=True)
+    if not (home / "models").exists():
+        (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
+    return home
+
+
+@pytest.fixture(scope="session")
+def integrations_engine(default_model, integrations_home):
+    """One engine over the shared integrations home."""
+    from cacheblend_rag import CacheBlendEngine, settings
+
+    model, tokenizer = default_model
+    return CacheBlendEngine(model, tokenizer, settings.kv_dir(integrations_home))

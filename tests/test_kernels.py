@@ -56,3 +56,14 @@ def test_rope_preserves_norm_and_deviation():
     x, y = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     c, s = _cos_sin(torch.arange(5) + 40)
     torch.testing.assert_close(kv_deviation(apply_rope(x, c, s), apply_rope(y, c, s)), kv_deviation(x, y))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("m,heads,d", [(1, 1, 2), (7, 3, 64), (33, 9, 16)])
+def test_apply_rope_matches_reference(dtype, tol, m, heads, d):
+    from cacheblend_rag.kernels import apply_rope_reference
+
+    x = torch.randn(m, heads, d, dtype=torch.float64).to(dtype)
+    cos, sin = _cos_sin(torch.arange(m) * 5 + 3, dim=d, dtype=torch.float64)
+    got = apply_rope(x, cos.to(dtype), sin.to(dtype))
+    torch.testing.assert_close(got, apply_rope_reference(x, cos.to(dtype), sin.to(dtype)), atol=tol, rtol=tol)

@@ -24,7 +24,7 @@ from cacheblend_rag.integrations.llama_index import (  # noqa: E402
 from llama_index.core import Settings  # noqa: E402
 from llama_index.core.schema import NodeRelationship, NodeWithScore, TextNode  # noqa: E402
 
-from cacheblend_rag import CacheBlendEngine, chunk_id, settings  # noqa: E402
+from cacheblend_rag import chunk_id  # noqa: E402
 from cacheblend_rag.retrieval import render_prompt  # noqa: E402
 from cacheblend_rag.store import KVKey  # noqa: E402
 
@@ -37,20 +37,13 @@ MAX_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory, default_model):
-    """A home shared by the integration test modules of this session (the KV store is content-addressed, so
-    sharing only saves recomputation); its models folder is the already-converted one (no second conversion)."""
-    home = tmp_path_factory.getbasetemp() / "integrations-home"
-    home.mkdir(exist_ok=True)
-    if not (home / "models").exists():
-        (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
-    return home
+def home(integrations_home):
+    return integrations_home
 
 
 @pytest.fixture(scope="module")
-def engine(default_model, home):
-    model, tokenizer = default_model
-    return CacheBlendEngine(model, tokenizer, settings.kv_dir(home))
+def engine(integrations_engine):
+    return integrations_engine
 
 
 @pytest.fixture(scope="module")
