@@ -61,11 +61,7 @@ def plot_quality_vs_ttft(summary: dict[str, dict], path: str | Path, title: str 
     axes[0].scatter([], [], marker="s", color="tab:orange", label="LangChain chains")
     axes[0].legend(fontsize=8, loc="lower right")
     fig.suptitle(title or "quality vs time to first token (one point per method)", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_quality_vs_ratio(summary: dict[str, dict], path: str | Path, title: str = "") -> Path | None:
@@ -88,6 +84,11 @@ def plot_quality_vs_ratio(summary: dict[str, dict], path: str | Path, title: str
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "quality vs recompute ratio", fontsize=10)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    """Lay out, write as PNG and free the figure."""
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
