@@ -141,7 +141,8 @@ class CacheBlendEngine:
         placements = [Placement(0, lead_in, exact=True)] if lead_in is not None else []
         seq = self._sequence(ids, torch.full_like(ids, -1), placements)
         try:
-            result = run_layers(self.adapter, seq, FullReuse(), ~seq.cached, record_fresh=True)
+            selection = FullReuse().start(self.adapter, seq)
+            result = run_layers(self.adapter, seq, selection, selection.active, record_fresh=True)
         finally:
             seq.close()
         return ChunkKV(
@@ -251,7 +252,7 @@ class CacheBlendEngine:
 
             for attempt in range(3):  # a stored layer that fails to read turns its chunk into a hole
                 try:
-                    seq, active, result, logits, hits, misses, timing, decision = self._fused_prefill(
+                    seq, result, logits, hits, misses, timing, decision = self._fused_prefill(
                         policy, resolved, prefix, layout, auto)
                     break
                 except LayerReadError as e:
@@ -260,6 +261,8 @@ class CacheBlendEngine:
             else:
                 raise RuntimeError("stored KV kept failing to read; giving up")
             ttft = time.perf_counter() - started
+            kv_bytes_loaded = sum(p.kv.bytes_read if isinstance(p.kv, DiskLayers) else p.kv.nbytes
+                                  for p in seq.placements)  # before promotion reads the layers the loop skipped
 
             if store_holes:  # after the first token's logits: holes cost TTFT once, then hit
                 for chunk in resolved:
@@ -267,10 +270,8 @@ class CacheBlendEngine:
                         self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
             self._promote(seq)
 
-        stats = self._stats(seq, active, result, hits, misses, resolved)
-        stats.update(method=policy.name, ttft_s=ttft, timing=timing,
-                     kv_bytes_loaded=sum(p.kv.bytes_read if isinstance(p.kv, DiskLayers) else p.kv.nbytes
-                                         for p in seq.placements))
+        stats = self._stats(seq, result, hits, misses, resolved)
+        stats.update(method=policy.name, ttft_s=ttft, timing=timing, kv_bytes_loaded=kv_bytes_loaded)
         if isinstance(policy, CacheBlend):
             stats["recompute_ratio"] = decision.recompute_ratio if decision else policy.recompute_ratio
         if decision is not None:
@@ -303,20 +304,19 @@ class CacheBlendEngine:
                                                     seq.num_rows, by_tier)
             policy = dataclasses.replace(policy, recompute_ratio=decision.recompute_ratio)
         try:
-            check_started = time.perf_counter()
-            active = policy.initial_active(self.adapter, seq)
-            check_s = time.perf_counter() - check_started
             layers_started = time.perf_counter()
-            result = run_layers(self.adapter, seq, policy, active)
+            selection = policy.start(self.adapter, seq)
+            result = run_layers(self.adapter, seq, selection, selection.active)
             if result.rows is None or int(result.rows[-1]) != seq.num_rows - 1:
                 raise RuntimeError("the last prompt row was not computed; a policy dropped it")
             logits = self.adapter.logits(result.hidden[-1:])[0].float()
             layers_s = time.perf_counter() - layers_started
         finally:
             seq.close()
+        check_s = sum(result.layer_s[:selection.full_layers])  # the layers every row went through
         timing = {"kv_load_s": kv_open_s + seq.loader.load_s, "kv_wait_s": seq.loader.wait_s,
-                  "check_s": check_s, "layers_s": layers_s}
-        return seq, active, result, logits, hits, misses, timing, decision
+                  "check_s": check_s, "layers_s": layers_s - check_s}
+        return seq, result, logits, hits, misses, timing, decision
 
     def _promote(self, seq: FusedSequence) -> None:
         """Chunks read from disk layer by layer move into the memory tier (LRU)."""
@@ -355,7 +355,7 @@ class CacheBlendEngine:
         return placements, hits, misses
 
     @staticmethod
-    def _stats(seq: FusedSequence, active: torch.Tensor, result: LoopResult, hits, misses, chunks) -> dict:
+    def _stats(seq: FusedSequence, result: LoopResult, hits, misses, chunks) -> dict:
         reused = seq.reused
         num_reused = int(reused.sum())
         num_uncached = int((~seq.cached).sum())
@@ -365,7 +365,7 @@ class CacheBlendEngine:
             "num_tokens": seq.num_rows,
             "num_reused": num_reused,
             "num_exact_cached": int(seq.exact.sum()),
-            "num_recomputed": int((active & reused).sum()),
+            "num_recomputed": int(reused[result.rows].sum()),  # reused rows recomputed through the last layer
             "num_hole_tokens": hole_rows,
             "num_computed": num_uncached - hole_rows,
             "recompute_ratio_effective": (sum(recomputed) / (len(recomputed) * num_reused)) if num_reused else 0.0,

@@ -54,6 +54,20 @@ def test_partial_recompute_lies_between(engine):
     assert _max_diff(blend, full) < _max_diff(reuse, full)
 
 
+def test_layers_up_to_the_check_layer_are_fresh_for_every_row(engine):
+    """CacheBlend computes every non-exact row through its check layers (§4.3), so their KV is full prefill's."""
+    full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
+    blend = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.2, check_layers=(1,))
+    for layer in (0, 1):
+        torch.testing.assert_close(blend.keys[layer], full.keys[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(blend.values[layer], full.values[layer], atol=1e-5, rtol=1e-5)
+    reused = blend.stats["num_reused"]
+    not_exact = blend.stats["num_tokens"] - blend.stats["num_exact_cached"]  # the exact prefix is never recomputed
+    assert blend.stats["rows_per_layer"][:2] == [not_exact] * 2
+    assert blend.stats["rows_per_layer"][2] < blend.stats["num_tokens"] and 0 < blend.stats["num_recomputed"] < reused
+    assert not torch.allclose(blend.values[2], full.values[2], atol=1e-5), "later layers reuse cached KV"
+
+
 def test_single_chunk_full_reuse_equals_prefix_cache(engine):
     reuse = engine.prefill(TEXTS[:1], QUESTION, method="full_reuse")
     prefix = engine.prefill(TEXTS[:1], QUESTION, method="prefix_cache")
@@ -97,7 +111,7 @@ def test_gradual_filtering_and_per_chunk_selection(engine):
     full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
     gradual = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.6, schedule=((2, 0.3),))
     rows = gradual.stats["rows_per_layer"]
-    assert rows[0] == rows[1] > rows[2] == rows[3]  # narrowed at layer 2, from its own deviations
+    assert rows[0] == rows[1] > rows[2] > rows[3]  # all but the exact prefix through check layer 1, then 0.6, 0.3 from 2
     per_chunk = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, selection="per_chunk", deviation="kv",
                                check_layers=(1, 2), chunk_head_tokens=2)
     assert per_chunk.stats["num_recomputed"] > 0

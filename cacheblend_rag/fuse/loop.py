@@ -1,14 +1,15 @@
 """The one layer loop. Every method (full prefill, prefix cache, full reuse, CacheBlend) runs through it.
 
-Per layer: project Q/K/V for the active rows, let the policy drop rows (HKVD
-selection), place the cached keys at their positions (RoPE), scatter the fresh
-K/V of the active rows over them, attend causally for the active rows only, and
-run the MLP for them. Rows that are not active keep their cached K/V in that
-layer; rows with no cached KV are always active.
+Per layer: project Q/K/V for the active rows, place the cached keys at their
+positions (RoPE), scatter the fresh K/V of the active rows over them, let the
+policy narrow the active rows (HKVD selection), then attend causally and run the
+MLP for the rows that stay. Rows that are not active keep their cached K/V in
+that layer; rows with no cached KV are always active.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,7 +28,7 @@ class RowPolicy(Protocol):
         """A bool mask over `rows` of those that stay active from this layer on, or None to keep all.
 
         fresh_q (M, heads, d), fresh_k and fresh_v (M, kv_heads, d) are the rows' projections at this
-        layer, q and k before RoPE.
+        layer, q and k before RoPE. Dropped rows still leave their fresh K/V in this layer.
         """
 
 
@@ -39,10 +40,11 @@ class LoopResult:
     values: list[torch.Tensor] = field(default_factory=list)  # per layer, (N, kv_heads, d)
     rows: torch.Tensor | None = None  # (M,) rows active in the last computed layer
     hidden: torch.Tensor | None = None  # (M, hidden) their hidden states after it
-    rows_per_layer: list[int] = field(default_factory=list)  # how many rows each layer computed
+    rows_per_layer: list[int] = field(default_factory=list)  # rows whose K/V each layer computed
     reused_rows_per_layer: list[int] = field(default_factory=list)  # of those, rows whose cached KV was approximate
     fresh_keys: list[torch.Tensor] = field(default_factory=list)  # per layer, pre-RoPE K of active rows (if recorded)
     fresh_values: list[torch.Tensor] = field(default_factory=list)
+    layer_s: list[float] = field(default_factory=list)  # seconds each layer took
 
 
 @torch.inference_mode()
@@ -53,13 +55,8 @@ def run_layers(
     active: torch.Tensor,
     *,
     record_fresh: bool = False,
-    until_layer: int | None = None,
 ) -> LoopResult:
-    """Run every layer over `seq` for the rows in `active` ((N,) bool), as `policy` narrows them.
-
-    With `until_layer`, stop once that layer's K/V are projected and shown to the policy
-    (a probe needs no more).
-    """
+    """Run every layer over `seq` for the rows in `active` ((N,) bool), as `policy` narrows them."""
     num_rows = seq.num_rows
     if bool((~seq.cached & ~active).any()):
         raise ValueError("rows without cached KV must be active")
@@ -69,16 +66,14 @@ def run_layers(
     hidden = adapter.embed(seq.token_ids[rows])
     result = LoopResult()
     for layer in range(adapter.num_layers):
+        started = time.perf_counter()
         q, k, v = adapter.project_qkv(layer, hidden)
         keep = policy.keep(layer, rows, q, k, v, seq)
-        if keep is not None:
-            keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
-            rows, hidden, q, k, v = rows[keep], hidden[keep], q[keep], k[keep], v[keep]
-        if layer == until_layer:
-            break
         if record_fresh:
             result.fresh_keys.append(k)
             result.fresh_values.append(v)
+        result.rows_per_layer.append(int(rows.numel()))
+        result.reused_rows_per_layer.append(int(seq.reused[rows].sum()))
         row_cos, row_sin = cos[rows], sin[rows]
         k = adapter.rope(k, row_cos, row_sin)
         if rows.numel() == num_rows:  # every row fresh: nothing cached to place
@@ -89,6 +84,10 @@ def run_layers(
             layer_v = cached_v.clone()
             layer_k[rows] = k
             layer_v[rows] = v
+        if keep is not None:  # the dropped rows' fresh K/V stay in this layer; they compute no further
+            keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
+            rows, hidden, q = rows[keep], hidden[keep], q[keep]
+            row_cos, row_sin = cos[rows], sin[rows]
         attn = causal_attention_rows(
             adapter.rope(q, row_cos, row_sin), layer_k, layer_v, rows,
             scale=adapter.scaling(layer), sliding_window=adapter.sliding_window(layer),
@@ -96,7 +95,6 @@ def run_layers(
         hidden = adapter.finish_layer(layer, hidden, attn)
         result.keys.append(layer_k)
         result.values.append(layer_v)
-        result.rows_per_layer.append(int(rows.numel()))
-        result.reused_rows_per_layer.append(int(seq.reused[rows].sum()))
+        result.layer_s.append(time.perf_counter() - started)
     result.rows, result.hidden = rows, hidden
     return result

@@ -1,8 +1,9 @@
 """Token-selection policies over the one layer loop: which rows are computed at each layer.
 
-A policy says which segments it takes from the cache (`reuse`), which rows start
-active (`initial_active`), and which stay active layer by layer (`keep`). None of
-them runs a loop of its own; CacheBlend's probe calls the same `run_layers`.
+A policy says which segments it takes from the cache (`reuse`) and, per request
+(`start`), which rows start active and which stay active layer by layer (`keep`).
+None of them runs a loop of its own: CacheBlend computes every row up to its check
+layer inside the same `run_layers`, and narrows to the HKVD rows there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 from ..errors import ConfigError
 from ..kernels import kv_deviation
 from ..models.adapter import LlamaFamilyAdapter
-from .loop import run_layers
 from .sequence import FusedSequence
 
 
@@ -28,27 +28,35 @@ class Reuse(enum.Enum):
     ALL = "all"  # the prefix and every chunk's own KV, re-positioned
 
 
-class _KeepAll:
-    def keep(self, layer, rows, fresh_q, fresh_k, fresh_v, seq):  # noqa: D102 - RowPolicy
+@dataclass
+class RowSelection:
+    """One request's row plan: the rows active from layer 0, and per-layer narrowing (a `RowPolicy`)."""
+
+    active: torch.Tensor  # (N,) bool
+    full_layers: int = 0  # leading layers computed over every row (CacheBlend's check layers)
+
+    def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
+             fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
+        """Keep every active row."""
         return None
 
 
 @dataclass(frozen=True)
-class FullPrefill(_KeepAll):
+class FullPrefill:
     """Every row, every layer: the reference."""
 
     name: str = field(default="full_prefill", init=False)
     reuse: Reuse = field(default=Reuse.NONE, init=False)
 
-    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
         """All rows."""
-        return torch.ones_like(seq.cached)
+        return RowSelection(torch.ones_like(seq.cached))
 
 
-class _CachedOnly(_KeepAll):
-    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
+class _CachedOnly:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
         """Rows without cached KV."""
-        return ~seq.cached
+        return RowSelection(~seq.cached)
 
 
 @dataclass(frozen=True)
@@ -75,15 +83,16 @@ SELECTIONS = ("global", "per_chunk")
 class CacheBlend:
     """Selective recompute of the reused tokens with the highest KV deviation (HKVD), CacheBlend §4.
 
-    A probe computes every row up to the last check layer; at each check layer the
-    deviation of each reused row's fresh K/V from its cached K/V is measured. The top
-    `recompute_ratio` of reused rows (plus every row without cache) are then computed
-    in all layers; the rest keep their cached KV. `schedule` adds gradual filtering
-    (§4.3): ((layer, ratio), ...) narrows the selection at later layers by the
-    deviation measured there. By default the deviation is weighted by the attention
-    the question gives each token at the check layer (a deviation the question does not
-    read cannot move the answer); `weight="none"` is the paper's plain HKVD. With
-    recompute_ratio=1 this is full prefill; with 0, full reuse.
+    Every row is computed up to the last check layer, so those layers' KV is fresh
+    everywhere. At each check layer the deviation of each reused row's fresh K/V from
+    its cached K/V is measured; at the last one the top `recompute_ratio` of reused
+    rows (plus every row without cache) stay active for the remaining layers, and the
+    rest keep their cached KV. `schedule` adds gradual filtering (§4.3):
+    ((layer, ratio), ...) narrows the selection at later layers by the deviation
+    measured there. By default the deviation is weighted by the attention the question
+    gives each token at the check layer (a deviation the question does not read cannot
+    move the answer); `weight="none"` is the paper's plain HKVD. With recompute_ratio=1
+    this is full prefill; with 0, full reuse (no check layer is run).
     """
 
     recompute_ratio: float = 0.15
@@ -91,7 +100,7 @@ class CacheBlend:
     deviation: str = "k"  # measure the deviation on "k", "v" or both ("kv"); K measured best here (docs/benchmarks.md)
     selection: str = "global"  # top tokens over all chunks, or "per_chunk" (the same ratio in each chunk)
     chunk_head_tokens: int = 0  # always recompute the first n tokens of each reused chunk
-    schedule: tuple[tuple[int, float], ...] = ()  # gradual filtering: (layer, ratio) after the probe
+    schedule: tuple[tuple[int, float], ...] = ()  # gradual filtering: (layer, ratio) after the check layers
     weight: str = "attention"  # weight deviations by the question's attention to each token ("none": plain HKVD)
     name: str = field(default="cacheblend", init=False)
     reuse: Reuse = field(default=Reuse.ALL, init=False)
@@ -114,37 +123,21 @@ class CacheBlend:
         if any(b > a for (_, a), (_, b) in zip([(0, self.recompute_ratio), *self.schedule], self.schedule)):
             raise ConfigError("schedule ratios must shrink layer by layer")
 
-    def initial_active(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> torch.Tensor:
-        """Rows without cache, plus the HKVD rows picked by the probe."""
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+        """Every row up to the last check layer (or none reused, when the budget is 0 or all of them)."""
         reused = seq.reused
         num_reused = int(reused.sum())
         budget = round(self.recompute_ratio * num_reused)
         if budget >= num_reused:
-            return torch.ones_like(seq.cached)
-        selected = self._chunk_heads(seq)
-        if budget > 0:
-            last_check = max(self.check_layers)
-            if last_check >= adapter.num_layers:
-                raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
-            probe = _Probe(adapter, self.check_layers, self.deviation, self.weight)
-            run_layers(adapter, seq, probe, torch.ones_like(seq.cached), until_layer=last_check)
-            selected |= self._select(probe.score.masked_fill(~reused, -math.inf), seq, budget)
-        return ~seq.cached | (selected & reused)
-
-    def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
-             fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
-        """Gradual filtering: at a scheduled layer keep the active reused rows of highest deviation there."""
-        ratio = dict(self.schedule).get(layer)
-        if ratio is None:
-            return None
-        cached_k, cached_v = seq.cached_kv(layer)
-        score = _score(self.deviation, fresh_k, fresh_v, cached_k[rows], cached_v[rows])
-        reused = seq.reused[rows]
-        score = score.masked_fill(~reused, -math.inf)
-        budget = min(round(ratio * int(seq.reused.sum())), int(reused.sum()))
-        keep = torch.zeros_like(reused)
-        keep[score.topk(budget).indices] = True
-        return keep
+            return RowSelection(torch.ones_like(seq.cached))
+        heads = self._chunk_heads(seq)
+        if budget == 0:  # nothing to select: full reuse (plus chunk heads), no check layer
+            return RowSelection(~seq.cached | (heads & reused))
+        last_check = max(self.check_layers)
+        if last_check >= adapter.num_layers:
+            raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
+        # every row whose KV is not exact already, up to the last check layer
+        return _HKVDSelection(~seq.exact, last_check + 1, policy=self, adapter=adapter, budget=budget, heads=heads)
 
     def _select(self, score: torch.Tensor, seq: FusedSequence, budget: int) -> torch.Tensor:
         """Top-`budget` rows by score, over all chunks or per chunk."""
@@ -176,43 +169,52 @@ class CacheBlend:
         return heads & (seg >= 0)
 
 
-def _score(deviation: str, fresh_k, fresh_v, cached_k, cached_v) -> torch.Tensor:
-    """Per-row deviation on K, V, or both (each normalized by its mean so neither dominates)."""
-    if deviation == "k":
-        return kv_deviation(fresh_k, cached_k)
-    if deviation == "v":
-        return kv_deviation(fresh_v, cached_v)
-    dk, dv = kv_deviation(fresh_k, cached_k), kv_deviation(fresh_v, cached_v)
-    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
+@dataclass
+class _HKVDSelection(RowSelection):
+    """One CacheBlend request: scores the reused rows at the check layers, keeps the HKVD rows after the last."""
 
-
-class _Probe:
-    """Runs inside the layer loop over every row and scores the reused rows at the check layers.
-
-    The score is the KV deviation (normalized per layer), optionally weighted by how much the
-    question's rows attend to each row at that layer: a deviation the question never reads
-    cannot move the answer.
-    """
-
-    def __init__(self, adapter: LlamaFamilyAdapter, check_layers: tuple[int, ...], deviation: str, weight: str) -> None:
-        self.adapter = adapter
-        self.check_layers = tuple(sorted(set(check_layers)))
-        self.deviation = deviation
-        self.weight = weight
-        self.score: torch.Tensor | None = None
+    policy: CacheBlend | None = None
+    adapter: LlamaFamilyAdapter | None = None
+    budget: int = 0
+    heads: torch.Tensor | None = None
+    score: torch.Tensor | None = None
 
     def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
              fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
-        if layer not in self.check_layers:
+        """Accumulate the deviation at check layers; select after the last; narrow at scheduled layers."""
+        policy = self.policy
+        if layer in policy.check_layers:  # every row but the exact ones is active here
+            score = self._deviation_score(layer, rows, fresh_q, fresh_k, fresh_v, seq)
+            self.score = score if self.score is None else self.score + score
+            if layer + 1 == self.full_layers:
+                reused = seq.reused
+                selected = policy._select(self.score.masked_fill(~reused, -math.inf), seq, self.budget)
+                return (~seq.cached | ((selected | self.heads) & reused))[rows]  # exact rows keep their cache
+            return None
+        ratio = dict(policy.schedule).get(layer)
+        if ratio is None:
             return None
         cached_k, cached_v = seq.cached_kv(layer)
-        score = _score(self.deviation, fresh_k, fresh_v, cached_k, cached_v)
+        score = _score(policy.deviation, fresh_k, fresh_v, cached_k[rows], cached_v[rows])
+        reused = seq.reused[rows]
+        score = score.masked_fill(~reused, -math.inf)
+        budget = min(round(ratio * int(seq.reused.sum())), int(reused.sum()))
+        keep = torch.zeros_like(reused)
+        keep[score.topk(budget).indices] = True
+        return keep
+
+    def _deviation_score(self, layer: int, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         seq: FusedSequence) -> torch.Tensor:
+        """(N,) deviation of each row's fresh K/V from its cached one (0 where exact), optionally attention-weighted."""
+        cached_k, cached_v = seq.cached_kv(layer)
+        fresh_k, fresh_v = cached_k.clone(), cached_v.clone()  # exact rows: fresh = cached
+        fresh_k[rows], fresh_v[rows] = k, v
+        score = _score(self.policy.deviation, fresh_k, fresh_v, cached_k, cached_v)
         score = score / score[seq.reused].mean().clamp_min(1e-12)  # layers weigh alike
-        if self.weight == "attention":
-            attention = self._question_attention(layer, fresh_q, fresh_k, seq)
+        if self.policy.weight == "attention":
+            attention = self._question_attention(layer, q, fresh_k, seq)
             score = score * attention / attention[seq.reused].mean().clamp_min(1e-12)
-        self.score = score if self.score is None else self.score + score
-        return None
+        return score
 
     def _question_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, seq: FusedSequence) -> torch.Tensor:
         """(N,) mean attention weight the trailing uncached rows (the question) give each row."""
@@ -222,7 +224,7 @@ class _Probe:
         n = seq.num_rows
         positions = torch.arange(n, device=q.device)
         cos, sin = self.adapter.rotary(positions)
-        q_rot = self.adapter.rope(q[n - tail:], cos[n - tail:], sin[n - tail:]).float()  # (S, H, d)
+        q_rot = self.adapter.rope(q[-tail:], cos[n - tail:], sin[n - tail:]).float()  # (S, H, d): q's last rows
         k_rot = self.adapter.rope(k, cos, sin).float()  # (N, KVH, d)
         groups = q_rot.shape[1] // k_rot.shape[1]
         k_rot = k_rot.repeat_interleave(groups, dim=1)
@@ -230,6 +232,16 @@ class _Probe:
         causal = positions[None, :] <= positions[n - tail:, None]  # (S, N)
         probs = logits.masked_fill(~causal[None], float("-inf")).softmax(-1)
         return probs.mean(dim=(0, 1))
+
+
+def _score(deviation: str, fresh_k, fresh_v, cached_k, cached_v) -> torch.Tensor:
+    """Per-row deviation on K, V, or both (each normalized by its mean so neither dominates)."""
+    if deviation == "k":
+        return kv_deviation(fresh_k, cached_k)
+    if deviation == "v":
+        return kv_deviation(fresh_v, cached_v)
+    dk, dv = kv_deviation(fresh_k, cached_k), kv_deviation(fresh_v, cached_v)
+    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
 
 
 METHODS = ("full_prefill", "prefix_cache", "full_reuse", "cacheblend")

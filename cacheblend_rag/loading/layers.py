@@ -79,9 +79,14 @@ class DiskLayers:
         return loaded
 
     def complete(self) -> ChunkKV | None:
-        """The whole ChunkKV if every layer has been read (to promote into memory), else None."""
+        """The whole ChunkKV (to promote into memory), reading the layers the request skipped; None if one fails."""
         with self._lock:
-            if len(self._read) != self.num_layers:
-                return None
+            missing = [i for i in range(self.num_layers) if i not in self._read]
+        try:
+            for i in missing:
+                self.layer(i)
+        except LayerReadError:
+            return None
+        with self._lock:
             layers = [self._read[i] for i in range(self.num_layers)]
         return ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids, self.positions_start)
