@@ -92,6 +92,8 @@ def _add_ask(subparsers) -> None:
                    help="prefill method (stuff chain) or chain; default cacheblend")
     p.add_argument("--ratio", type=float, default=0.15, help="CacheBlend recompute ratio (default 0.15)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help='stop the answer at TEXT (repeatable; default: a blank line; --stop "" for none)')
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, chunks, stats")
     p.set_defaults(func=_run_ask)
 
@@ -134,8 +136,9 @@ def _run_ask(args: argparse.Namespace) -> int:
               "with the same --home/--collection first", file=sys.stderr)
         return 1
     method = args.method if args.method in METHODS else "cacheblend"
+    stop = [s for s in (args.stop if args.stop is not None else ["\n\n"]) if s]  # one paragraph by default
     llm = CacheBlendLLM(engine=engine, model=args.model, method=method, recompute_ratio=args.ratio,
-                        max_new_tokens=args.max_new_tokens)
+                        max_new_tokens=args.max_new_tokens, stop=stop or None)
     retriever = ChunkIdRetriever(base=ChromaRetriever(store=store, k=args.k))
     make = {"map_reduce": create_map_reduce_chain, "map_rerank": create_map_rerank_chain}.get(args.method,
                                                                                              create_stuff_chain)

@@ -276,6 +276,8 @@ class CacheBlendLLM(BaseLLM):
     """Nucleus sampling mass (with temperature > 0)."""
     seed: int | None = None
     """Sampling seed."""
+    stop: list[str] | None = None
+    """Stop strings used when a call passes none (generation ends before the first one)."""
 
     _recent: _RecentPrompts = PrivateAttr(default_factory=_RecentPrompts)
     _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
@@ -361,7 +363,7 @@ class CacheBlendLLM(BaseLLM):
             temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p),
             seed=kwargs.get("seed", self.seed),
-            stop=stop,
+            stop=stop if stop is not None else self.stop,
         )
 
     @staticmethod

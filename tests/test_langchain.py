@@ -119,6 +119,14 @@ def test_settings_are_fields_and_per_call(llm, retriever):
     assert result.llm_output["requests"][0]["chunk_ids"] == [d.id for d in docs]
 
 
+def test_stop_field_is_the_default_and_a_call_overrides_it(llm, retriever):
+    value = CacheBlendPromptTemplate().invoke({"context": retriever.invoke(QUESTION), "question": QUESTION})
+    stopping = CacheBlendLLM(engine=llm.engine, max_new_tokens=16, stop=["e"])
+    cut = stopping.invoke(value)
+    whole = stopping.invoke(value, stop=[])  # a call's own stop list wins, even an empty one
+    assert "e" not in cut and whole.startswith(cut) and len(whole) > len(cut)
+
+
 def test_token_ids_use_the_models_tokenizer(llm, engine):
     text = "Bees make honey."
     assert llm.get_token_ids(text) == engine.tokenizer(text, add_special_tokens=False)["input_ids"]
