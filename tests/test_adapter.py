@@ -18,7 +18,8 @@ def _adapter_logits(model, ids: torch.Tensor) -> torch.Tensor:
     adapter = get_adapter(model)
     seq = FusedSequence(ids, torch.full_like(ids, -1), [], adapter.num_layers, adapter.num_kv_heads,
                         adapter.head_dim, adapter.dtype)
-    result = run_layers(adapter, seq, FullPrefill(), torch.ones_like(ids, dtype=torch.bool))
+    selection = FullPrefill().start(adapter, seq)
+    result = run_layers(adapter, seq, selection, selection.active)
     return adapter.logits(result.hidden)
 
 
