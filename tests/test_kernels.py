@@ -24,7 +24,7 @@ def _dense(q, k, v, rows, scale, window=None):
     return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("n,m,block,window", [(1, 1, 512, None), (37, 37, 8, None), (100, 13, 16, None),
+@pytest.mark.parametrize("n,m,block,window", [(1, 1, 512, None), (37, 37, 8, None), (100, 13, 4, None), (100, 13, 256, None),
                                               (300, 50, 64, None), (300, 50, 64, 20), (64, 64, 512, 10)])
 def test_causal_attention_rows_matches_dense(n, m, block, window):
     torch.manual_seed(n + m)
@@ -32,7 +32,7 @@ def test_causal_attention_rows_matches_dense(n, m, block, window):
     rows[-1] = n - 1
     q = torch.randn(m, 4, 8)
     k, v = torch.randn(n, 2, 8), torch.randn(n, 2, 8)
-    got = causal_attention_rows(q, k, v, rows, 0.35, sliding_window=window, block_size=block)
+    got = causal_attention_rows(q, k, v, rows, 0.35, sliding_window=window, group_rows=block)
     torch.testing.assert_close(got, _dense(q, k, v, rows, 0.35, window), atol=1e-5, rtol=1e-5)
 
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from ..kernels import causal_attention_rows
+from ..kernels import RowAttentionPlan
 from ..models.adapter import LlamaFamilyAdapter
 from .sequence import FusedSequence
 
@@ -24,11 +24,12 @@ class RowPolicy(Protocol):
     """Decides, per layer, which active rows stay active."""
 
     def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
-             fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
+             fresh_v: torch.Tensor, keys: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
         """A bool mask over `rows` of those that stay active from this layer on, or None to keep all.
 
-        fresh_q (M, heads, d), fresh_k and fresh_v (M, kv_heads, d) are the rows' projections at this
-        layer, q and k before RoPE. Dropped rows still leave their fresh K/V in this layer.
+        fresh_q (M, heads, d) is the rows' queries after RoPE; fresh_k and fresh_v (M, kv_heads, d)
+        their keys (before RoPE, as cached) and values; keys (N, kv_heads, d) the layer's fused keys
+        after RoPE. Dropped rows still leave their fresh K/V in this layer.
         """
 
 
@@ -64,34 +65,39 @@ def run_layers(
     cos, sin = adapter.rotary(positions)
     rows = active.nonzero().squeeze(1)
     hidden = adapter.embed(seq.token_ids[rows])
+    # Per row set (it changes only where the policy narrows it): the rows' cos/sin and attention plans.
+    row_cos, row_sin = cos[rows], sin[rows]
+    plans: dict[int | None, RowAttentionPlan] = {}  # by sliding window
     result = LoopResult()
     for layer in range(adapter.num_layers):
         started = time.perf_counter()
         q, k, v = adapter.project_qkv(layer, hidden)
-        keep = policy.keep(layer, rows, q, k, v, seq)
         if record_fresh:
             result.fresh_keys.append(k)
             result.fresh_values.append(v)
         result.rows_per_layer.append(int(rows.numel()))
         result.reused_rows_per_layer.append(int(seq.reused[rows].sum()))
-        row_cos, row_sin = cos[rows], sin[rows]
-        k = adapter.rope(k, row_cos, row_sin)
+        q = adapter.rope(q, row_cos, row_sin)
+        k_rot = adapter.rope(k, row_cos, row_sin)
         if rows.numel() == num_rows:  # every row fresh: nothing cached to place
-            layer_k, layer_v = k, v
+            layer_k, layer_v = k_rot, v
         else:
             cached_k, cached_v = seq.cached_kv(layer)
             layer_k = adapter.rope(cached_k, cos, sin)
             layer_v = cached_v.clone()
-            layer_k[rows] = k
+            layer_k[rows] = k_rot
             layer_v[rows] = v
+        keep = policy.keep(layer, rows, q, k, v, layer_k, seq)
         if keep is not None:  # the dropped rows' fresh K/V stay in this layer; they compute no further
             keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
             rows, hidden, q = rows[keep], hidden[keep], q[keep]
             row_cos, row_sin = cos[rows], sin[rows]
-        attn = causal_attention_rows(
-            adapter.rope(q, row_cos, row_sin), layer_k, layer_v, rows,
-            scale=adapter.scaling(layer), sliding_window=adapter.sliding_window(layer),
-        )
+            plans.clear()
+        window = adapter.sliding_window(layer)
+        plan = plans.get(window)
+        if plan is None:
+            plan = plans[window] = RowAttentionPlan(rows, num_rows, hidden.dtype, window)
+        attn = plan.attend(q, layer_k, layer_v, scale=adapter.scaling(layer))
         hidden = adapter.finish_layer(layer, hidden, attn)
         result.keys.append(layer_k)
         result.values.append(layer_v)

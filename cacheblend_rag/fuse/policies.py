@@ -36,7 +36,7 @@ class RowSelection:
     full_layers: int = 0  # leading layers computed over every row (CacheBlend's check layers)
 
     def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
-             fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
+             fresh_v: torch.Tensor, keys: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
         """Keep every active row."""
         return None
 
@@ -180,11 +180,11 @@ class _HKVDSelection(RowSelection):
     score: torch.Tensor | None = None
 
     def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
-             fresh_v: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
+             fresh_v: torch.Tensor, keys: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
         """Accumulate the deviation at check layers; select after the last; narrow at scheduled layers."""
         policy = self.policy
         if layer in policy.check_layers:  # every row but the exact ones is active here
-            score = self._deviation_score(layer, rows, fresh_q, fresh_k, fresh_v, seq)
+            score = self._deviation_score(layer, rows, fresh_q, fresh_k, fresh_v, keys, seq)
             self.score = score if self.score is None else self.score + score
             if layer + 1 == self.full_layers:
                 reused = seq.reused
@@ -204,7 +204,7 @@ class _HKVDSelection(RowSelection):
         return keep
 
     def _deviation_score(self, layer: int, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         seq: FusedSequence) -> torch.Tensor:
+                         keys: torch.Tensor, seq: FusedSequence) -> torch.Tensor:
         """(N,) deviation of each row's fresh K/V from its cached one (0 where exact), optionally attention-weighted."""
         cached_k, cached_v = seq.cached_kv(layer)
         fresh_k, fresh_v = cached_k.clone(), cached_v.clone()  # exact rows: fresh = cached
@@ -212,26 +212,26 @@ class _HKVDSelection(RowSelection):
         score = _score(self.policy.deviation, fresh_k, fresh_v, cached_k, cached_v)
         score = score / score[seq.reused].mean().clamp_min(1e-12)  # layers weigh alike
         if self.policy.weight == "attention":
-            attention = self._question_attention(layer, q, fresh_k, seq)
+            attention = self._question_attention(layer, q, keys, seq)
             score = score * attention / attention[seq.reused].mean().clamp_min(1e-12)
         return score
 
-    def _question_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, seq: FusedSequence) -> torch.Tensor:
-        """(N,) mean attention weight the trailing uncached rows (the question) give each row."""
+    def _question_attention(self, layer: int, q: torch.Tensor, keys: torch.Tensor, seq: FusedSequence) -> torch.Tensor:
+        """(N,) mean attention weight the trailing uncached rows (the question) give each row.
+
+        q (M, heads, d) after RoPE, its last rows the question's; keys (N, kv_heads, d) the layer's fused keys.
+        """
         uncached = ~seq.cached
-        # the trailing run of uncached rows: the question suffix
-        tail = int(torch.flip(uncached.int(), (0,)).cumprod(0).sum())
+        tail = int(torch.flip(uncached.int(), (0,)).cumprod(0).sum())  # the trailing run of uncached rows
         n = seq.num_rows
+        num_kv_heads, head_dim = keys.shape[1], keys.shape[2]
+        groups = q.shape[1] // num_kv_heads
+        q_tail = q[-tail:].float().view(tail, num_kv_heads, groups, head_dim)  # GQA: each KV head's query group
+        logits = torch.einsum("skgd,nkd->kgsn", q_tail, keys.float()) * self.adapter.scaling(layer)
         positions = torch.arange(n, device=q.device)
-        cos, sin = self.adapter.rotary(positions)
-        q_rot = self.adapter.rope(q[-tail:], cos[n - tail:], sin[n - tail:]).float()  # (S, H, d): q's last rows
-        k_rot = self.adapter.rope(k, cos, sin).float()  # (N, KVH, d)
-        groups = q_rot.shape[1] // k_rot.shape[1]
-        k_rot = k_rot.repeat_interleave(groups, dim=1)
-        logits = torch.einsum("shd,nhd->hsn", q_rot, k_rot) * self.adapter.scaling(layer)
         causal = positions[None, :] <= positions[n - tail:, None]  # (S, N)
-        probs = logits.masked_fill(~causal[None], float("-inf")).softmax(-1)
-        return probs.mean(dim=(0, 1))
+        probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+        return probs.mean(dim=(0, 1, 2))
 
 
 def _score(deviation: str, fresh_k, fresh_v, cached_k, cached_v) -> torch.Tensor:
