@@ -54,9 +54,11 @@ def test_first_token_kl():
 
 
 def test_method_spec_parsing():
-    spec = MethodSpec.parse("cacheblend@0.15/deviation=kv/check_layers=1+2/schedule=6:0.1/chunk_head_tokens=4")
+    spec = MethodSpec.parse("cacheblend@0.15/deviation=kv/check_layers=1+2/candidate_factor=2/filter_layer=6/"
+                            "chunk_head_tokens=4")
     assert (spec.method, spec.ratio) == ("cacheblend", 0.15)
-    assert spec.options == {"deviation": "kv", "check_layers": (1, 2), "schedule": ((6, 0.1),), "chunk_head_tokens": 4}
+    assert spec.options == {"deviation": "kv", "check_layers": (1, 2), "candidate_factor": 2.0, "filter_layer": 6,
+                            "chunk_head_tokens": 4}
     assert MethodSpec.parse("full_reuse").ratio is None
 
 

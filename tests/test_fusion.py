@@ -109,9 +109,11 @@ def test_chunks_by_id_text_order_and_repeats(engine):
 
 def test_gradual_filtering_and_per_chunk_selection(engine):
     full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
-    gradual = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.6, schedule=((2, 0.3),))
+    gradual = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, candidate_factor=2, filter_layer=2)
     rows = gradual.stats["rows_per_layer"]
     assert rows[0] == rows[1] > rows[2] > rows[3]  # all but the exact prefix through check layer 1, then 0.6, 0.3 from 2
+    once = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, candidate_factor=1)
+    assert once.stats["rows_per_layer"][2] == once.stats["rows_per_layer"][3] == rows[3]  # selected once, at layer 1
     per_chunk = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, selection="per_chunk", deviation="kv",
                                check_layers=(1, 2), chunk_head_tokens=2)
     assert per_chunk.stats["num_recomputed"] > 0
@@ -137,6 +139,14 @@ def test_bad_chunks_are_clear_errors(engine, bad, error, match):
 def test_ratio_out_of_range(engine, ratio):
     with pytest.raises(ConfigError, match="within"):
         engine.prefill(TEXTS, QUESTION, recompute_ratio=ratio)
+
+
+@pytest.mark.parametrize("options,match", [(dict(candidate_factor=0.5), "candidate_factor"),
+                                           (dict(filter_layer=1), "filter_layer"),
+                                           (dict(deviation="q"), "deviation")])
+def test_bad_cacheblend_options(engine, options, match):
+    with pytest.raises(ConfigError, match=match):
+        engine.prefill(TEXTS, QUESTION, **options)
 
 
 def test_unknown_method(engine):

@@ -48,7 +48,7 @@ class MethodSpec:
     def parse(cls, text: str) -> MethodSpec:
         """'cacheblend@0.15' → CacheBlend at 0.15; options follow as '/key=value' pairs.
 
-        e.g. 'cacheblend@0.15/deviation=k/check_layers=1+2/schedule=4:0.1' (tuples join with '+').
+        e.g. 'cacheblend@0.15/deviation=k/check_layers=1+2/candidate_factor=2/filter_layer=4' (tuples join with '+').
         Chains ('stuff', 'map_reduce', 'map_rerank') run CacheBlendLLM at cacheblend@0.15 unless told:
         'map_reduce@0.3', 'stuff/method=full_prefill'.
         """
@@ -71,12 +71,12 @@ class MethodSpec:
 
 def _option(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
-    if key == "schedule":
-        return key, tuple((int(layer), float(r)) for layer, r in (p.split(":") for p in value.split("+")))
     if key == "check_layers":
         return key, tuple(int(v) for v in value.split("+"))
-    if key == "chunk_head_tokens":
+    if key in ("chunk_head_tokens", "filter_layer"):
         return key, int(value)
+    if key == "candidate_factor":
+        return key, float(value)
     return key, value
 
 

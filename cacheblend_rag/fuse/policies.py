@@ -85,30 +85,33 @@ class CacheBlend:
 
     Every row is computed up to the last check layer, so those layers' KV is fresh
     everywhere. At each check layer the deviation of each reused row's fresh K/V from
-    its cached K/V is measured; at the last one the top `recompute_ratio` of reused
-    rows (plus every row without cache) stay active for the remaining layers, and the
-    rest keep their cached KV. `schedule` adds gradual filtering (§4.3):
-    ((layer, ratio), ...) narrows the selection at later layers by the deviation
-    measured there. By default the deviation is weighted by the attention the question
-    gives each token at the check layer (a deviation the question does not read cannot
-    move the answer); `weight="none"` is the paper's plain HKVD. With recompute_ratio=1
-    this is full prefill; with 0, full reuse (no check layer is run).
+    its cached K/V is measured, weighted by the attention the question gives each token
+    there (a deviation the question does not read cannot move the answer; `weight="none"`
+    is the paper's plain HKVD). After the last check layer the top
+    `candidate_factor × recompute_ratio` of reused rows stay active as candidates; at
+    `filter_layer` their deviation is measured again, weighted alike, and only the top
+    `recompute_ratio` stay for the remaining layers (gradual filtering, §4.3: layer-1
+    deviation predicts deep layers poorly on small models). Rows without cache are always
+    active; the rest keep their cached KV. `candidate_factor=1` selects once, at the
+    check layer. With recompute_ratio=1 this is full prefill; with 0, full reuse (no
+    check layer is run).
     """
 
-    recompute_ratio: float = 0.15
+    recompute_ratio: float = 0.15  # share of reused rows recomputed from `filter_layer` on
     check_layers: tuple[int, ...] = (1,)
+    candidate_factor: float = 2.5  # candidates kept at the check layer, × recompute_ratio (1: no gradual filtering)
+    filter_layer: int = 3  # where the candidates are narrowed to recompute_ratio
     deviation: str = "k"  # measure the deviation on "k", "v" or both ("kv"); K measured best here (docs/benchmarks.md)
     selection: str = "global"  # top tokens over all chunks, or "per_chunk" (the same ratio in each chunk)
     chunk_head_tokens: int = 0  # always recompute the first n tokens of each reused chunk
-    schedule: tuple[tuple[int, float], ...] = ()  # gradual filtering: (layer, ratio) after the check layers
     weight: str = "attention"  # weight deviations by the question's attention to each token ("none": plain HKVD)
     name: str = field(default="cacheblend", init=False)
     reuse: Reuse = field(default=Reuse.ALL, init=False)
 
     def __post_init__(self) -> None:
-        ratios = [self.recompute_ratio] + [r for _, r in self.schedule]
-        if any(not isinstance(r, (int, float)) or math.isnan(r) or not 0.0 <= r <= 1.0 for r in ratios):
-            raise ConfigError(f"recompute ratios must be within [0, 1], got {ratios}")
+        r = self.recompute_ratio
+        if not isinstance(r, (int, float)) or math.isnan(r) or not 0.0 <= r <= 1.0:
+            raise ConfigError(f"recompute_ratio must be within [0, 1], got {r}")
         if not self.check_layers or any(layer < 0 for layer in self.check_layers):
             raise ConfigError(f"check_layers must be non-empty and ≥ 0, got {self.check_layers}")
         if self.deviation not in DEVIATIONS:
@@ -117,11 +120,15 @@ class CacheBlend:
             raise ConfigError(f"weight must be 'none' or 'attention', got {self.weight!r}")
         if self.selection not in SELECTIONS:
             raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        last_check = max(self.check_layers)
-        if any(layer <= last_check for layer, _ in self.schedule):
-            raise ConfigError("schedule layers must come after the check layers")
-        if any(b > a for (_, a), (_, b) in zip([(0, self.recompute_ratio), *self.schedule], self.schedule)):
-            raise ConfigError("schedule ratios must shrink layer by layer")
+        if not isinstance(self.candidate_factor, (int, float)) or not self.candidate_factor >= 1.0:
+            raise ConfigError(f"candidate_factor must be ≥ 1, got {self.candidate_factor}")
+        if self.candidate_factor > 1.0 and self.filter_layer <= max(self.check_layers):
+            raise ConfigError(f"filter_layer ({self.filter_layer}) must come after the check layers {self.check_layers}")
+
+    @property
+    def candidate_ratio(self) -> float:
+        """Share of reused rows kept at the check layer (narrowed to recompute_ratio at filter_layer)."""
+        return min(1.0, self.candidate_factor * self.recompute_ratio)
 
     def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
         """Every row up to the last check layer (or none reused, when the budget is 0 or all of them)."""
@@ -136,23 +143,26 @@ class CacheBlend:
         last_check = max(self.check_layers)
         if last_check >= adapter.num_layers:
             raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
+        filters = self.candidate_factor > 1.0 and self.filter_layer < adapter.num_layers
         # every row whose KV is not exact already, up to the last check layer
-        return _HKVDSelection(~seq.exact, last_check + 1, policy=self, adapter=adapter, budget=budget, heads=heads)
+        return _HKVDSelection(~seq.exact, last_check + 1, policy=self, adapter=adapter, heads=heads,
+                              first_ratio=self.candidate_ratio if filters else self.recompute_ratio,
+                              filter_layer=self.filter_layer if filters else None)
 
-    def _select(self, score: torch.Tensor, seq: FusedSequence, budget: int) -> torch.Tensor:
-        """Top-`budget` rows by score, over all chunks or per chunk."""
+    def _select(self, score: torch.Tensor, seq: FusedSequence, ratio: float) -> torch.Tensor:
+        """The top `ratio` of reused rows by score (-inf: not eligible), over all chunks or per chunk."""
         selected = torch.zeros_like(seq.cached)
         if self.selection == "global":
-            selected[score.topk(budget).indices] = True
+            selected[score.topk(round(ratio * int(seq.reused.sum()))).indices] = True
             return selected
         for chunk in seq.segment_of_row.unique().tolist():
             in_chunk = (seq.segment_of_row == chunk) & seq.reused
             if chunk < 0 or not bool(in_chunk.any()):
                 continue
             rows = in_chunk.nonzero().squeeze(1)
-            k = round(self.recompute_ratio * rows.numel())
+            k = round(ratio * rows.numel())
             selected[rows[score[rows].topk(k).indices]] = True
-        return selected
+        return selected & seq.reused & (score > -math.inf)
 
     def _chunk_heads(self, seq: FusedSequence) -> torch.Tensor:
         """The first `chunk_head_tokens` rows of each reused chunk."""
@@ -171,37 +181,33 @@ class CacheBlend:
 
 @dataclass
 class _HKVDSelection(RowSelection):
-    """One CacheBlend request: scores the reused rows at the check layers, keeps the HKVD rows after the last."""
+    """One CacheBlend request: scores reused rows at the check layers, keeps candidates, narrows at the filter layer."""
 
     policy: CacheBlend | None = None
     adapter: LlamaFamilyAdapter | None = None
-    budget: int = 0
-    heads: torch.Tensor | None = None
+    heads: torch.Tensor | None = None  # (N,) rows always recomputed (chunk heads)
+    first_ratio: float = 0.0  # share of reused rows kept after the last check layer
+    filter_layer: int | None = None  # where they are narrowed to the policy's recompute_ratio
     score: torch.Tensor | None = None
 
     def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
              fresh_v: torch.Tensor, keys: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
-        """Accumulate the deviation at check layers; select after the last; narrow at scheduled layers."""
+        """Accumulate the deviation at check layers; select after the last; narrow at the filter layer."""
         policy = self.policy
         if layer in policy.check_layers:  # every row but the exact ones is active here
             score = self._deviation_score(layer, rows, fresh_q, fresh_k, fresh_v, keys, seq)
             self.score = score if self.score is None else self.score + score
             if layer + 1 == self.full_layers:
-                reused = seq.reused
-                selected = policy._select(self.score.masked_fill(~reused, -math.inf), seq, self.budget)
-                return (~seq.cached | ((selected | self.heads) & reused))[rows]  # exact rows keep their cache
+                selected = policy._select(self.score.masked_fill(~seq.reused, -math.inf), seq, self.first_ratio)
+                return (~seq.cached | ((selected | self.heads) & seq.reused))[rows]  # exact rows keep their cache
             return None
-        ratio = dict(policy.schedule).get(layer)
-        if ratio is None:
+        if layer != self.filter_layer:
             return None
-        cached_k, cached_v = seq.cached_kv(layer)
-        score = _score(policy.deviation, fresh_k, fresh_v, cached_k[rows], cached_v[rows])
-        reused = seq.reused[rows]
-        score = score.masked_fill(~reused, -math.inf)
-        budget = min(round(ratio * int(seq.reused.sum())), int(reused.sum()))
-        keep = torch.zeros_like(reused)
-        keep[score.topk(budget).indices] = True
-        return keep
+        # the same score over the candidates only: deviation at this layer × the question's attention here
+        score = torch.full(seq.cached.shape, -math.inf, device=rows.device)
+        score[rows] = self._deviation_score(layer, rows, fresh_q, fresh_k, fresh_v, keys, seq)[rows]
+        selected = policy._select(score.masked_fill(~seq.reused, -math.inf), seq, policy.recompute_ratio)
+        return (~seq.cached | ((selected | self.heads) & seq.reused))[rows]
 
     def _deviation_score(self, layer: int, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          keys: torch.Tensor, seq: FusedSequence) -> torch.Tensor:
