@@ -114,6 +114,8 @@ def test_gradual_filtering_and_per_chunk_selection(engine):
     assert rows[0] == rows[1] > rows[2] > rows[3]  # all but the exact prefix through check layer 1, then 0.6, 0.3 from 2
     once = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, candidate_factor=1)
     assert once.stats["rows_per_layer"][2] == once.stats["rows_per_layer"][3] == rows[3]  # selected once, at layer 1
+    random = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, candidate_factor=1, selection="random")
+    assert random.stats["rows_per_layer"] == once.stats["rows_per_layer"]  # the control: as many rows, drawn at random
     per_chunk = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, selection="per_chunk", deviation="kv",
                                check_layers=(1, 2), chunk_head_tokens=2)
     assert per_chunk.stats["num_recomputed"] > 0

@@ -76,7 +76,7 @@ class FullReuse(_CachedOnly):
 
 
 DEVIATIONS = ("k", "v", "kv")
-SELECTIONS = ("global", "per_chunk")
+SELECTIONS = ("global", "per_chunk", "random")
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class CacheBlend:
     candidate_factor: float = 2.5  # candidates kept at the check layer, × recompute_ratio (1: no gradual filtering)
     filter_layer: int = 3  # where the candidates are narrowed to recompute_ratio
     deviation: str = "k"  # measure the deviation on "k", "v" or both ("kv"); K measured best here (docs/benchmarks.md)
-    selection: str = "global"  # top tokens over all chunks, or "per_chunk" (the same ratio in each chunk)
+    selection: str = "global"  # top tokens over all chunks, "per_chunk" (the same ratio in each), "random" (a control)
     chunk_head_tokens: int = 0  # always recompute the first n tokens of each reused chunk
     weight: str = "attention"  # weight deviations by the question's attention to each token ("none": plain HKVD)
     name: str = field(default="cacheblend", init=False)
@@ -152,16 +152,18 @@ class CacheBlend:
     def _select(self, score: torch.Tensor, seq: FusedSequence, ratio: float) -> torch.Tensor:
         """The top `ratio` of reused rows by score (-inf: not eligible), over all chunks or per chunk."""
         selected = torch.zeros_like(seq.cached)
-        if self.selection == "global":
+        if self.selection == "random":  # an ablation control: as many eligible rows, drawn at random (seeded)
+            noise = torch.rand(score.shape, generator=torch.Generator().manual_seed(0)).to(score.device)
+            score = noise.masked_fill(score == -math.inf, -math.inf)
+        if self.selection in ("global", "random"):
             selected[score.topk(round(ratio * int(seq.reused.sum()))).indices] = True
-            return selected
-        for chunk in seq.segment_of_row.unique().tolist():
-            in_chunk = (seq.segment_of_row == chunk) & seq.reused
-            if chunk < 0 or not bool(in_chunk.any()):
-                continue
-            rows = in_chunk.nonzero().squeeze(1)
-            k = round(ratio * rows.numel())
-            selected[rows[score[rows].topk(k).indices]] = True
+        else:
+            for chunk in seq.segment_of_row.unique().tolist():
+                in_chunk = (seq.segment_of_row == chunk) & seq.reused
+                if chunk < 0 or not bool(in_chunk.any()):
+                    continue
+                rows = in_chunk.nonzero().squeeze(1)
+                selected[rows[score[rows].topk(round(ratio * rows.numel())).indices]] = True
         return selected & seq.reused & (score > -math.inf)
 
     def _chunk_heads(self, seq: FusedSequence) -> torch.Tensor:
