@@ -58,13 +58,11 @@ class RowAttentionPlan:
     def __init__(self, rows: torch.Tensor, num_keys: int, dtype: torch.dtype, sliding_window: int | None = None,
                  group_rows: int = GROUP_ROWS) -> None:
         """rows: (M,) ascending int64 row indices, the last < num_keys; masks are made in `dtype`."""
-        self.rows = rows
-        self.num_keys = num_keys
-        self.windowed = sliding_window is not None and sliding_window < num_keys
+        windowed = sliding_window is not None and sliding_window < num_keys
         num_rows = rows.numel()
         first, last = (int(rows[0]), int(rows[-1])) if num_rows else (0, -1)
         # A contiguous run a..b (a ≤ its length) is causal after padding a zero queries in front.
-        self.causal_pad = first if (not self.windowed and last - first + 1 == num_rows and first <= num_rows) else None
+        self.causal_pad = first if (not windowed and last - first + 1 == num_rows and first <= num_rows) else None
         self.groups: list[_Group] = []
         if self.causal_pad is not None:
             return
@@ -73,10 +71,10 @@ class RowAttentionPlan:
         for start, end in zip(bounds, bounds[1:]):
             group = rows[start:end]
             first, last = int(group[0]), int(group[-1])
-            key_lo = max(0, first - sliding_window + 1) if self.windowed else 0
+            key_lo = max(0, first - sliding_window + 1) if windowed else 0
             key_idx = torch.arange(key_lo, last + 1, device=rows.device)
             hidden = key_idx[None, :] > group[:, None]
-            if self.windowed:
+            if windowed:
                 hidden |= key_idx[None, :] <= group[:, None] - sliding_window
             mask = None
             if bool(hidden.any()):
