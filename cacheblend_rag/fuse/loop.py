@@ -82,12 +82,12 @@ def run_layers(
         if rows.numel() == num_rows:  # every row fresh: nothing cached to place
             layer_k, layer_v = k_rot, v
         else:
-            cached_k, cached_v = seq.cached_kv(layer)
+            cached_k, layer_v = seq.cached_kv(layer)
             layer_k = adapter.rope(cached_k, cos, sin)
-            layer_v = cached_v.clone()
             layer_k[rows] = k_rot
-            layer_v[rows] = v
         keep = policy.keep(layer, rows, q, k, v, layer_k, seq)
+        if layer_v is not v:  # now the policy has read the cached V, the loader's buffer becomes the fused V
+            layer_v[rows] = v
         if keep is not None:  # the dropped rows' fresh K/V stay in this layer; they compute no further
             keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
             rows, hidden, q = rows[keep], hidden[keep], q[keep]

@@ -65,7 +65,11 @@ class FusedSequence:
         return self.cached & ~self.exact
 
     def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys and values of all rows at `layer`, (N, kv_heads, d) each; zeros where not cached."""
+        """Pre-RoPE keys and values of all rows at `layer`, (N, kv_heads, d) each; zeros where not cached.
+
+        The layer loop writes the fresh V of the layer's active rows into the values in place, once the
+        policy has read them, so a policy must read a layer's cached KV within its `keep` of that layer.
+        """
         return self.loader.get(layer)
 
     def close(self) -> None:

@@ -44,11 +44,18 @@ class LayerLoader:
         self._closed = False
         self.wait_s = 0.0  # time the loop spent waiting for a layer
         self.load_s = 0.0  # time spent reading + assembling layers
+        # Rows no chunk covers: only these need zeroing, not the whole (N, kv_heads, d) buffer each layer.
+        covered = torch.zeros(num_rows, dtype=torch.bool)
+        for p in placed:
+            covered[p.row_start:p.row_start + p.reader.num_tokens] = True
+        self._gaps = (~covered).nonzero().squeeze(1).to(device)
 
     def _assemble(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
-        keys = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        values = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        keys = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        keys[self._gaps] = 0
+        values[self._gaps] = 0
         for p in self.placed:
             k, v = p.reader.layer(layer)
             end = p.row_start + k.shape[0]
