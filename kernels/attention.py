@@ -1,18 +1,23 @@
 """Causal attention for a subset of query rows over the whole fused KV, on torch's SDPA.
 
 Selected rows (HKVD tokens, separators, the question) sit scattered over the
-sequence, and each sees only the keys at or before its own row. What makes
-this slow on a CPU is not the arithmetic but the calls: every SDPA call has a
-fixed cost (~0.2 ms here), and a boolean mask is converted to an additive one
-on every call. So the rows are cut into a few groups of about `group_rows`
-consecutive rows; each group reads the keys up to its last row with one
-additive mask. The grouping and the masks depend only on the rows, which stay
-the same for every layer after CacheBlend's selection: `RowAttentionPlan`
-builds them once and the loop reuses the plan layer after layer.
+sequence, and each sees only the keys at or before its own row. SDPA takes one
+mask for all its queries, so the rows are cut into a few groups of consecutive
+rows; each group reads the keys up to its last row with one additive mask:
 
     keys:    0 ................................................ N-1
     group 0: rows r0..r1  reads keys 0..r1     (mask: key > row)
     group 1: rows r2..r3  reads keys 0..r3
+
+Where to cut is a trade: finer groups read fewer masked keys, but every call
+pays per key it reads (K/V packing, ~0.1 µs here) whatever its number of rows.
+Measured on the 2-core CPU, a call over n keys with m rows costs about
+n × (m + c) pair-costs, c ≈ 24 rows in bf16 and ≈ 8 in fp32; `_partition` picks
+the cuts that minimise that sum. Selected rows crowd towards the question (the
+question's attention weights the selection), so the best cuts are uneven.
+The grouping and the masks depend only on the rows, which stay the same for every
+layer after CacheBlend's selection: `RowAttentionPlan` builds them once and the
+loop reuses the plan layer after layer.
 
 A contiguous run of rows a..b with a ≤ b - a (CacheBlend's check layers: every
 row after the exact prefix) is causal attention offset by a; SDPA's `is_causal`
@@ -22,14 +27,16 @@ the mask-free causal kernel runs instead of masked groups.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-# Rows per SDPA call: fewer calls amortise the fixed cost; more rows per call read more masked keys.
-# 256 measured best on the 2-core bf16 CPU for ~500 rows over 3.7k keys (docs/benchmarks.md); fp32 is flat.
-GROUP_ROWS = 256
+# A call's per-key cost, in query rows: a call over n keys with m rows costs ~ n × (m + c) (docs/benchmarks.md).
+OVERHEAD_ROWS = {torch.float32: 8.0, torch.float64: 8.0}
+DEFAULT_OVERHEAD_ROWS = 24.0  # bf16 / fp16
+MAX_CUT_POINTS = 64  # the partition cuts at most at this many evenly spaced places (a cheap, exact-enough DP)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -52,11 +59,31 @@ class _Group:
     mask: torch.Tensor | None  # (end - start, key_hi - key_lo) additive, or None when nothing is masked
 
 
+def _partition(rows: list[int], overhead_rows: float, window: int | None) -> list[int]:
+    """Group bounds (indices into rows) minimising Σ keys read × (group rows + overhead_rows), by dynamic programming."""
+    num_rows = len(rows)
+    step = max(1, -(-num_rows // MAX_CUT_POINTS))
+    cuts = list(range(0, num_rows, step)) + [num_rows]
+    best, prev = [0.0] + [math.inf] * (len(cuts) - 1), [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        last = rows[cuts[j] - 1]
+        for i in range(j):
+            key_lo = max(0, rows[cuts[i]] - window + 1) if window else 0
+            cost = best[i] + (last + 1 - key_lo) * (cuts[j] - cuts[i] + overhead_rows)
+            if cost < best[j]:
+                best[j], prev[j] = cost, i
+    bounds, j = [num_rows], len(cuts) - 1
+    while j:
+        j = prev[j]
+        bounds.append(cuts[j])
+    return bounds[::-1]
+
+
 class RowAttentionPlan:
     """The grouping and additive masks for one set of query rows; built once, reused by every layer."""
 
     def __init__(self, rows: torch.Tensor, num_keys: int, dtype: torch.dtype, sliding_window: int | None = None,
-                 group_rows: int = GROUP_ROWS) -> None:
+                 overhead_rows: float | None = None) -> None:
         """rows: (M,) ascending int64 row indices, the last < num_keys; masks are made in `dtype`."""
         windowed = sliding_window is not None and sliding_window < num_keys
         num_rows = rows.numel()
@@ -66,8 +93,9 @@ class RowAttentionPlan:
         self.groups: list[_Group] = []
         if self.causal_pad is not None:
             return
-        num_groups = max(1, -(-num_rows // group_rows))
-        bounds = [round(i * num_rows / num_groups) for i in range(num_groups + 1)]
+        if overhead_rows is None:
+            overhead_rows = OVERHEAD_ROWS.get(dtype, DEFAULT_OVERHEAD_ROWS)
+        bounds = _partition(rows.tolist(), overhead_rows, sliding_window if windowed else None)
         for start, end in zip(bounds, bounds[1:]):
             group = rows[start:end]
             first, last = int(group[0]), int(group[-1])
@@ -104,13 +132,14 @@ def causal_attention_rows(
     rows: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-    group_rows: int = GROUP_ROWS,
+    overhead_rows: float | None = None,
 ) -> torch.Tensor:
     """Attention of queries at sequence `rows` (ascending) over keys 0..N-1, each seeing keys at rows ≤ its own.
 
     q: (M, heads, d); k, v: (N, kv_heads, d) already at their positions; rows: (M,) int64.
-    With `sliding_window` w, a query at row r sees keys in (r - w, r]. Returns (M, heads, d).
+    With `sliding_window` w, a query at row r sees keys in (r - w, r]. `overhead_rows` overrides the measured
+    per-key cost of a call (in query rows) that decides the grouping. Returns (M, heads, d).
     A one-off call; the layer loop keeps a `RowAttentionPlan` instead.
     """
-    plan = RowAttentionPlan(rows, k.shape[0], q.dtype, sliding_window, group_rows)
+    plan = RowAttentionPlan(rows, k.shape[0], q.dtype, sliding_window, overhead_rows)
     return plan.attend(q, k, v, scale)

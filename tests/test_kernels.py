@@ -24,15 +24,17 @@ def _dense(q, k, v, rows, scale, window=None):
     return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("n,m,block,window", [(1, 1, 512, None), (37, 37, 8, None), (100, 13, 4, None), (100, 13, 256, None),
-                                              (300, 50, 64, None), (300, 50, 64, 20), (64, 64, 512, 10)])
-def test_causal_attention_rows_matches_dense(n, m, block, window):
+# overhead_rows 0 cuts the rows into as many groups as the partition allows; 1e9 keeps one group.
+@pytest.mark.parametrize("n,m,overhead,window", [(1, 1, 24, None), (37, 37, 0, None), (100, 13, 0, None),
+                                                 (100, 13, 1e9, None), (300, 50, 8, None), (300, 50, 0, 20),
+                                                 (64, 64, 24, 10)])
+def test_causal_attention_rows_matches_dense(n, m, overhead, window):
     torch.manual_seed(n + m)
     rows = torch.randperm(n)[:m].sort().values
     rows[-1] = n - 1
     q = torch.randn(m, 4, 8)
     k, v = torch.randn(n, 2, 8), torch.randn(n, 2, 8)
-    got = causal_attention_rows(q, k, v, rows, 0.35, sliding_window=window, group_rows=block)
+    got = causal_attention_rows(q, k, v, rows, 0.35, sliding_window=window, overhead_rows=overhead)
     torch.testing.assert_close(got, _dense(q, k, v, rows, 0.35, window), atol=1e-5, rtol=1e-5)
 
 
@@ -67,3 +69,15 @@ def test_apply_rope_matches_reference(dtype, tol, m, heads, d):
     cos, sin = _cos_sin(torch.arange(m) * 5 + 3, dim=d, dtype=torch.float64)
     got = apply_rope(x, cos.to(dtype), sin.to(dtype))
     torch.testing.assert_close(got, apply_rope_reference(x, cos.to(dtype), sin.to(dtype)), atol=tol, rtol=tol)
+
+
+def test_partition_cuts_where_rows_crowd():
+    from cacheblend_rag.kernels.attention import RowAttentionPlan
+    # 20 rows spread over the first 1000 keys, 200 crowded at the end: cutting off the sparse head pays
+    rows = torch.cat([torch.arange(0, 1000, 50), torch.arange(1800, 2000)])
+    plan = RowAttentionPlan(rows, 2000, torch.float32, overhead_rows=8)
+    assert len(plan.groups) >= 2
+    keys_read = sum((g.key_hi - g.key_lo) * (g.end - g.start) for g in plan.groups)
+    assert keys_read < rows.numel() * 2000 * 0.95
+    single = RowAttentionPlan(rows, 2000, torch.float32, overhead_rows=1e9)
+    assert len(single.groups) == 1
