@@ -306,8 +306,8 @@ class CacheBlendEngine:
         try:
             layers_started = time.perf_counter()
             selection = policy.start(self.adapter, seq)
-            result = run_layers(self.adapter, seq, selection, selection.active)
-            if result.rows is None or int(result.rows[-1]) != seq.num_rows - 1:
+            result = run_layers(self.adapter, seq, selection, selection.active, num_output_rows=1)
+            if result.output_rows is None or int(result.output_rows[-1]) != seq.num_rows - 1:
                 raise RuntimeError("the last prompt row was not computed; a policy dropped it")
             logits = self.adapter.logits(result.hidden[-1:])[0].float()
             layers_s = time.perf_counter() - layers_started

@@ -39,8 +39,9 @@ class LoopResult:
 
     keys: list[torch.Tensor] = field(default_factory=list)  # per layer, (N, kv_heads, d), after RoPE
     values: list[torch.Tensor] = field(default_factory=list)  # per layer, (N, kv_heads, d)
-    rows: torch.Tensor | None = None  # (M,) rows active in the last computed layer
-    hidden: torch.Tensor | None = None  # (M, hidden) their hidden states after it
+    rows: torch.Tensor | None = None  # (M,) rows active in the last computed layer (their K/V computed there)
+    output_rows: torch.Tensor | None = None  # rows whose hidden states come out of it: `rows`, or their last few
+    hidden: torch.Tensor | None = None  # (len(output_rows), hidden) their hidden states after it
     rows_per_layer: list[int] = field(default_factory=list)  # rows whose K/V each layer computed
     reused_rows_per_layer: list[int] = field(default_factory=list)  # of those, rows whose cached KV was approximate
     fresh_keys: list[torch.Tensor] = field(default_factory=list)  # per layer, pre-RoPE K of active rows (if recorded)
@@ -56,8 +57,13 @@ def run_layers(
     active: torch.Tensor,
     *,
     record_fresh: bool = False,
+    num_output_rows: int | None = None,
 ) -> LoopResult:
-    """Run every layer over `seq` for the rows in `active` ((N,) bool), as `policy` narrows them."""
+    """Run every layer over `seq` for the rows in `active` ((N,) bool), as `policy` narrows them.
+
+    With `num_output_rows` n, the last layer attends and runs its MLP for the last n active rows only: the
+    other rows' K/V of that layer are all a decoding cache needs, and only the last rows' logits are read.
+    """
     num_rows = seq.num_rows
     if bool((~seq.cached & ~active).any()):
         raise ValueError("rows without cached KV must be active")
@@ -93,6 +99,10 @@ def run_layers(
             rows, hidden, q = rows[keep], hidden[keep], q[keep]
             row_cos, row_sin = cos[rows], sin[rows]
             plans.clear()
+        if num_output_rows is not None and layer == adapter.num_layers - 1:
+            result.rows = rows
+            rows, hidden, q = rows[-num_output_rows:], hidden[-num_output_rows:], q[-num_output_rows:]
+            plans.clear()
         window = adapter.sliding_window(layer)
         plan = plans.get(window)
         if plan is None:
@@ -102,5 +112,7 @@ def run_layers(
         result.keys.append(layer_k)
         result.values.append(layer_v)
         result.layer_s.append(time.perf_counter() - started)
-    result.rows, result.hidden = rows, hidden
+    if result.rows is None:
+        result.rows = rows
+    result.output_rows, result.hidden = rows, hidden
     return result
