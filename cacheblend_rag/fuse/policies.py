@@ -99,7 +99,7 @@ class CacheBlend:
 
     recompute_ratio: float = 0.15  # share of reused rows recomputed from `filter_layer` on
     check_layers: tuple[int, ...] = (1,)
-    candidate_factor: float = 2.0  # candidates kept at the check layer, × recompute_ratio (1: no gradual filtering)
+    candidate_factor: float = 2.5  # candidates kept at the check layer, × recompute_ratio (1: no gradual filtering)
     filter_layer: int = 3  # where the candidates are narrowed to recompute_ratio
     deviation: str = "k"  # measure the deviation on "k", "v" or both ("kv"); K measured best here (docs/benchmarks.md)
     selection: str = "global"  # top tokens over all chunks, "per_chunk" (the same ratio in each), "random" (a control)
