@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -72,6 +73,7 @@ class CacheBlendEngine:
         prefetch_depth: int | None = None,
         quality_floor: float = 0.15,
         home: str | os.PathLike[str] | None = None,
+        max_known_chunks: int = 8192,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -83,7 +85,7 @@ class CacheBlendEngine:
         self.lead_in = lead_in
         if prefetch_depth is None:
             # A prefetch thread hides loads behind GPU compute; on a CPU it steals cores from the layers
-            # (measured on 2 cores: disk TTFT 1.145× memory pipelined vs 1.024× on demand, docs/benchmarks.md).
+            # (bf16 on 2 cores, cold disk vs memory tier: 1.57× TTFT pipelined vs 1.32× on demand, docs/benchmarks.md).
             prefetch_depth = 2 if self.adapter.device.type == "cuda" else 0
         if prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be ≥ 0, got {prefetch_depth}")
@@ -94,7 +96,12 @@ class CacheBlendEngine:
         self.quality_floor = quality_floor  # r*: recompute_ratio="auto" never goes below it
         self.home = home
         self._controller: LoadingController | None = None
-        self._chunks: dict[str, Chunk] = {}
+        if max_known_chunks < 1:
+            raise ConfigError(f"max_known_chunks must be ≥ 1, got {max_known_chunks}")
+        # chunk id → text and tokens of recently seen chunks, least recently used first; an evicted id is
+        # still found through its stored KV, so this only bounds memory in a long-lived process
+        self._chunks: OrderedDict[str, Chunk] = OrderedDict()
+        self.max_known_chunks = max_known_chunks
         self._lock = threading.RLock()  # one request at a time on the model: callers serialise
 
     @classmethod
@@ -194,7 +201,11 @@ class CacheBlendEngine:
         return [c.chunk_id for c in chunks]
 
     def _register(self, chunk: Chunk) -> Chunk:
-        self._chunks[chunk.chunk_id] = chunk
+        with self._lock:
+            self._chunks[chunk.chunk_id] = chunk
+            self._chunks.move_to_end(chunk.chunk_id)
+            while len(self._chunks) > self.max_known_chunks:
+                self._chunks.popitem(last=False)
         return chunk
 
     def resolve_chunk(self, item: str | Chunk) -> Chunk:
@@ -204,8 +215,9 @@ class CacheBlendEngine:
         if not isinstance(item, str):
             raise ChunkError(f"a chunk must be a str (text or chunk id), got {type(item).__name__}")
         if looks_like_chunk_id(item):
-            if item in self._chunks:
-                return self._chunks[item]
+            known = self._chunks.get(item)
+            if known is not None:
+                return self._register(known)
             kv = self.kv_store.get(KVKey(self.namespace, item))
             if kv is not None:
                 text = self.tokenizer.decode(kv.token_ids.tolist())

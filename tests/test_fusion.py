@@ -107,6 +107,18 @@ def test_chunks_by_id_text_order_and_repeats(engine):
     assert torch.isfinite(reordered.logits).all() and reference.token_ids.numel() == reordered.token_ids.numel()
 
 
+def test_known_chunks_are_bounded_and_evicted_ids_still_resolve(tiny):
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer, max_known_chunks=2)
+    ids = engine.ingest(TEXTS, show_progress=False)
+    assert list(engine._chunks) == ids[-2:]  # the two most recently seen
+    evicted = engine.resolve_chunk(ids[0])  # found again through its stored KV
+    assert evicted.text == TEXTS[0] and list(engine._chunks) == [ids[3], ids[0]]
+    assert _max_diff(engine.prefill(ids, QUESTION), engine.prefill(TEXTS, QUESTION)) == 0.0
+    with pytest.raises(ConfigError, match="max_known_chunks"):
+        CacheBlendEngine(model, tokenizer, max_known_chunks=0)
+
+
 def test_gradual_filtering_and_per_chunk_selection(engine):
     full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
     gradual = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, candidate_factor=2, filter_layer=2)
