@@ -85,22 +85,23 @@ def run_layers(
         result.reused_rows_per_layer.append(int(seq.reused[rows].sum()))
         q = adapter.rope(q, row_cos, row_sin)
         k_rot = adapter.rope(k, row_cos, row_sin)
-        if rows.numel() == num_rows:  # every row fresh: nothing cached to place
+        all_fresh = rows.numel() == num_rows  # every row computed: nothing cached to place
+        if all_fresh:
             layer_k, layer_v = k_rot, v
         else:
             cached_k, layer_v = seq.cached_kv(layer)
             layer_k = adapter.rope(cached_k, cos, sin)
             layer_k[rows] = k_rot
         keep = policy.keep(layer, rows, q, k, v, layer_k, seq)
-        if layer_v is not v:  # now the policy has read the cached V, the loader's buffer becomes the fused V
+        if not all_fresh:  # now the policy has read the cached V, the loader's buffer becomes the fused V
             layer_v[rows] = v
         if keep is not None:  # the dropped rows' fresh K/V stay in this layer; they compute no further
             keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
             rows, hidden, q = rows[keep], hidden[keep], q[keep]
             row_cos, row_sin = cos[rows], sin[rows]
             plans.clear()
+        result.rows = rows
         if num_output_rows is not None and layer == adapter.num_layers - 1:
-            result.rows = rows
             rows, hidden, q = rows[-num_output_rows:], hidden[-num_output_rows:], q[-num_output_rows:]
             plans.clear()
         window = adapter.sliding_window(layer)
@@ -112,7 +113,5 @@ def run_layers(
         result.keys.append(layer_k)
         result.values.append(layer_v)
         result.layer_s.append(time.perf_counter() - started)
-    if result.rows is None:
-        result.rows = rows
     result.output_rows, result.hidden = rows, hidden
     return result

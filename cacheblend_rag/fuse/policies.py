@@ -151,6 +151,7 @@ class CacheBlend:
 
     def _select(self, score: torch.Tensor, seq: FusedSequence, ratio: float) -> torch.Tensor:
         """The top `ratio` of reused rows by score (-inf: not eligible), over all chunks or per chunk."""
+        score = score.masked_fill(~seq.reused, -math.inf)  # only reused rows compete
         selected = torch.zeros_like(seq.cached)
         if self.selection == "random":  # an ablation control: as many eligible rows, drawn at random (seeded)
             noise = torch.rand(score.shape, generator=torch.Generator().manual_seed(0)).to(score.device)
@@ -200,15 +201,17 @@ class _HKVDSelection(RowSelection):
             score = self._deviation_score(layer, rows, fresh_q, fresh_k, fresh_v, keys, seq)
             self.score = score if self.score is None else self.score + score
             if layer + 1 == self.full_layers:
-                selected = policy._select(self.score.masked_fill(~seq.reused, -math.inf), seq, self.first_ratio)
-                return (~seq.cached | ((selected | self.heads) & seq.reused))[rows]  # exact rows keep their cache
+                return self._kept(policy._select(self.score, seq, self.first_ratio), rows, seq)
             return None
         if layer != self.filter_layer:
             return None
         # the same score over the candidates only: deviation at this layer × the question's attention here
         score = torch.full(seq.cached.shape, -math.inf, device=rows.device)
         score[rows] = self._deviation_score(layer, rows, fresh_q, fresh_k, fresh_v, keys, seq)[rows]
-        selected = policy._select(score.masked_fill(~seq.reused, -math.inf), seq, policy.recompute_ratio)
+        return self._kept(policy._select(score, seq, policy.recompute_ratio), rows, seq)
+
+    def _kept(self, selected: torch.Tensor, rows: torch.Tensor, seq: FusedSequence) -> torch.Tensor:
+        """Over `rows`: the uncached rows, and the reused rows selected or always recomputed (exact rows keep their cache)."""
         return (~seq.cached | ((selected | self.heads) & seq.reused))[rows]
 
     def _deviation_score(self, layer: int, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
