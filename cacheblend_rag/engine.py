@@ -384,6 +384,8 @@ class CacheBlendEngine:
             "chunk_hits": list(hits),
             "chunk_misses": list(misses),
             "rows_per_layer": result.rows_per_layer,
+            "attention_pairs_per_layer": result.pairs_per_layer,  # query-key pairs each layer attended
+            "layer_s": result.layer_s,  # seconds per layer, KV waits included
         }
 
     # ---- generation ---------------------------------------------------------------------

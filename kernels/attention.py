@@ -91,6 +91,8 @@ class RowAttentionPlan:
         first, last = (int(rows[0]), int(rows[-1])) if num_rows else (0, -1)
         # A contiguous run a..b (a ≤ its length) is causal after padding a zero queries in front.
         self.causal_pad = first if (not windowed and last - first + 1 == num_rows and first <= num_rows) else None
+        visible = rows + 1 if not windowed else (rows + 1).clamp(max=sliding_window)
+        self.num_pairs = int(visible.sum())  # query-key pairs causality lets these rows see (a cost measure)
         self.groups: list[_Group] = []
         if self.causal_pad is not None:
             return

@@ -228,3 +228,25 @@ def test_bench_command_end_to_end(musique, tmp_path, capsys, one_thread):
     assert [r.split(" | ")[0][2:] for r in rows] == ["full_prefill", "cacheblend@0.15", "map_reduce"]
     assert (out / "quality_vs_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| cacheblend@0.15 |" in capsys.readouterr().out
+
+
+@pytest.mark.model
+def test_bench_breakdown_times_layers_and_ops(musique, tmp_path, capsys, one_thread):
+    """`bench --breakdown`: CacheBlend's deep layers carry a fraction of full prefill's rows, pairs and attention time."""
+    from conftest import musique_path
+
+    from cacheblend_rag.cli import main as cli_main
+
+    code = cli_main(["bench", str(musique_path()), "--breakdown", "--limit", "1", "--chunks", "2", "--repeats", "1",
+                     "--dtype", "float32", "--methods", "full_prefill,cacheblend@0.15", "--out", str(tmp_path)])
+    assert code == 0
+    summary = json.loads((tmp_path / "breakdown.json").read_text())["summary"]
+    full, blend = summary["full_prefill"], summary["cacheblend@0.15"]
+    assert len(full["layer_s"]) == len(blend["layer_s"]) and full["num_deep_layers"] == len(full["layer_s"]) - 2
+    assert full["deep_rows_share"] == 1.0 and full["deep_pairs_share"] == 1.0 and full["until_settled_s"] == 0.0
+    assert blend["until_settled_s"] > 0  # the check layer (and the candidates' layers) before the row set settles
+    assert 0 < blend["deep_rows_share"] < 0.5 and 0 < blend["deep_pairs_share"] < 1
+    assert blend["deep_layer_s"] < full["deep_layer_s"] and blend["attention_s"] < full["attention_s"]
+    assert full["matmul_s"] > 0 and full["other_s"] > 0
+    assert "| cacheblend@0.15 |" in (tmp_path / "breakdown.md").read_text() and "deep layer" in capsys.readouterr().out
+    assert cli_main(["bench", str(musique_path()), "--breakdown", "--methods", "stuff"]) == 2  # chains have no layers

@@ -66,6 +66,9 @@ def test_layers_up_to_the_check_layer_are_fresh_for_every_row(engine):
     assert blend.stats["rows_per_layer"][:2] == [not_exact] * 2
     assert blend.stats["rows_per_layer"][2] < blend.stats["num_tokens"] and 0 < blend.stats["num_recomputed"] < reused
     assert not torch.allclose(blend.values[2], full.values[2], atol=1e-5), "later layers reuse cached KV"
+    n, pairs = full.stats["num_tokens"], full.stats["attention_pairs_per_layer"]
+    assert pairs[:-1] == [n * (n + 1) // 2] * (len(pairs) - 1) and pairs[-1] == n  # the last layer: final row only
+    assert len(blend.stats["layer_s"]) == len(pairs) and sum(blend.stats["attention_pairs_per_layer"][2:]) < sum(pairs[2:])
 
 
 def test_single_chunk_full_reuse_equals_prefix_cache(engine):

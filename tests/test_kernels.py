@@ -81,3 +81,12 @@ def test_partition_cuts_where_rows_crowd():
     assert keys_read < rows.numel() * 2000 * 0.95
     single = RowAttentionPlan(rows, 2000, torch.float32, overhead_rows=1e9)
     assert len(single.groups) == 1
+    assert plan.num_pairs == single.num_pairs == int((rows + 1).sum())  # pairs causality needs, however cut
+
+
+def test_plan_counts_causal_and_windowed_pairs():
+    from cacheblend_rag.kernels.attention import RowAttentionPlan
+    n = 100
+    assert RowAttentionPlan(torch.arange(n), n, torch.float32).num_pairs == n * (n + 1) // 2
+    windowed = RowAttentionPlan(torch.tensor([5, 50, 99]), n, torch.float32, sliding_window=10)
+    assert windowed.num_pairs == 6 + 10 + 10

@@ -4,6 +4,7 @@
     cacheblend-rag bench --limit 20 --sweep --out bench-sweep              # quality vs recompute ratio
     cacheblend-rag bench --limit 20 --chunk-tokens 256 --out bench-256     # chunk length sensitivity
     cacheblend-rag bench --limit 10 --concurrency 4 --out bench-load       # + throughput under load
+    cacheblend-rag bench --limit 3 --breakdown --out bench-breakdown        # where the prefill time goes
 
 Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under --out.
 """
@@ -65,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, default_out: str | None = 
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads (default: torch's choice); on a shared CPU, fewer threads than "
                         "cores avoids oversubscription")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead of the benchmark, time and profile each engine method's prefill: per-layer "
+                        "times, rows and attention pairs, and attention / matmul / other shares (breakdown.md)")
+    parser.add_argument("--repeats", type=int, default=2, metavar="R",
+                        help="timed rounds per question with --breakdown (default 2)")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of the chain methods")
     parser.add_argument("--out", default=default_out, metavar="DIR",
                         help="write results.json, results.md and quality_vs_ttft.png here"
@@ -97,6 +103,8 @@ def execute(args: argparse.Namespace, *, default_engine_only: bool = False) -> d
     from .report import write_outputs
 
     dataset = resolve_dataset(args.dataset)
+    if args.breakdown:
+        return _execute_breakdown(args, dataset)
     ratios = args.ratios or (eb.SWEEP_RATIOS if args.sweep else eb.DEFAULT_RATIOS)
     methods = args.methods or (None if args.sweep or not default_engine_only else ",".join(eb.DEFAULT_METHODS))
     needs_hf = methods is None and not args.sweep
@@ -152,6 +160,46 @@ def execute(args: argparse.Namespace, *, default_engine_only: bool = False) -> d
         paths = write_outputs(result, args.out)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
     return result
+
+
+def _execute_breakdown(args: argparse.Namespace, dataset: Path) -> dict:
+    """`bench --breakdown`: per-layer times and op shares of each engine method; prints and writes them."""
+    import json
+
+    from ..engine import CacheBlendEngine
+    from . import engine_bench as eb
+    from .breakdown import format_breakdown
+    from .breakdown import run as run_breakdown
+    from .datasets import load_dataset
+
+    specs = eb.parse_methods(args.methods or ",".join(eb.DEFAULT_METHODS), args.ratios or eb.DEFAULT_RATIOS)
+    chains = [s.label for s in specs if s.is_chain]
+    if chains:
+        raise ValueError(f"--breakdown times the engine's prefill; chains have no layers: {', '.join(chains)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be ≥ 1, got {args.repeats}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
+    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=args.kv_store, device=args.device,
+                                              dtype=args.dtype, home=args.home, lead_in=args.lead_in)
+    summary = run_breakdown(engine, items, specs, num_chunks=args.chunks, chunk_tokens=args.chunk_tokens,
+                            repeats=args.repeats, show_progress=not args.quiet)
+    table = format_breakdown(summary)
+    header = (f"{len(items)} questions × {args.chunks} chunks, {str(engine.adapter.dtype).removeprefix('torch.')}, "
+              f"{args.repeats} timed rounds each; {eb.machine()}")
+    print(f"\n{header}\n{table}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "breakdown.md").write_text(f"{header}\n\n{table}\n")
+        (out / "breakdown.json").write_text(json.dumps({"meta": {"dataset": str(dataset), "questions": len(items),
+                                                                  "chunks": args.chunks, "machine": eb.machine()},
+                                                         "summary": summary}, indent=1))
+        print(f"wrote {out / 'breakdown.md'}, {out / 'breakdown.json'}")
+    return summary
 
 
 def main(argv: list[str] | None = None, *, default_engine_only: bool = False, prog: str | None = None) -> int:

@@ -47,6 +47,7 @@ class LoopResult:
     fresh_keys: list[torch.Tensor] = field(default_factory=list)  # per layer, pre-RoPE K of active rows (if recorded)
     fresh_values: list[torch.Tensor] = field(default_factory=list)
     layer_s: list[float] = field(default_factory=list)  # seconds each layer took
+    pairs_per_layer: list[int] = field(default_factory=list)  # query-key pairs each layer's attention had to see
 
 
 @torch.inference_mode()
@@ -109,6 +110,7 @@ def run_layers(
         if plan is None:
             plan = plans[window] = RowAttentionPlan(rows, num_rows, hidden.dtype, window)
         attn = plan.attend(q, layer_k, layer_v, scale=adapter.scaling(layer))
+        result.pairs_per_layer.append(plan.num_pairs)
         hidden = adapter.finish_layer(layer, hidden, attn)
         result.keys.append(layer_k)
         result.values.append(layer_v)
