@@ -94,7 +94,8 @@ class CacheBlend:
     deviation predicts deep layers poorly on small models). Rows without cache are always
     active; the rest keep their cached KV. `candidate_factor=1` selects once, at the
     check layer. With recompute_ratio=1 this is full prefill; with 0, full reuse (no
-    check layer is run).
+    check layer is run); with no approximate rows at all (no chunks, or only the exact
+    first chunk) it reuses the exact ones as a prefix cache would.
     """
 
     recompute_ratio: float = 0.15  # share of reused rows recomputed from `filter_layer` on
@@ -135,10 +136,10 @@ class CacheBlend:
         reused = seq.reused
         num_reused = int(reused.sum())
         budget = round(self.recompute_ratio * num_reused)
-        if budget >= num_reused:
+        if num_reused and budget >= num_reused:
             return RowSelection(torch.ones_like(seq.cached))
         heads = self._chunk_heads(seq)
-        if budget == 0:  # nothing to select: full reuse (plus chunk heads), no check layer
+        if budget == 0:  # nothing to select (or nothing approximate at all): full reuse (plus chunk heads), no check
             return RowSelection(~seq.cached | (heads & reused))
         last_check = max(self.check_layers)
         if last_check >= adapter.num_layers:
