@@ -434,7 +434,7 @@ class CacheBlendEngine:
         stats: dict | None = None,
         **policy_options,
     ) -> Iterator[str]:
-        """Yield text pieces as they are decoded; `stats`, if given, is filled with the prefill's stats."""
+        """Yield text pieces as they are decoded; `stats`, if given, gets the prefill's stats, then decoding's."""
         from transformers import TextIteratorStreamer
 
         settings = SamplingSettings(max_new_tokens, temperature, top_p, tuple(stop or ()), seed)
@@ -446,15 +446,22 @@ class CacheBlendEngine:
                 with self._lock:
                     pre = self.prefill(chunks, question, method, recompute_ratio, template=template, **policy_options)
                     self._check_room(pre, settings)
-                    if stats is not None:
+                    if stats is not None:  # readable as soon as the first piece arrives
                         stats.update(pre.stats)
-                    decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings, streamer)
+                    started = time.perf_counter()
+                    new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings,
+                                     streamer)
+                    if stats is not None:
+                        stats["num_generated"] = int(new_ids.numel())
+                        stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)
             except BaseException as e:  # surfaced to the consumer below
                 errors.put(e)
                 streamer.end()
 
-        threading.Thread(target=work, daemon=True).start()
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
         yield from _stop_filtered(streamer, settings.stop)
+        worker.join()  # the streamer ends before decode returns: wait for the final stats (and any error)
         if not errors.empty():
             raise errors.get()
 
