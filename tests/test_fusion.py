@@ -215,3 +215,118 @@ def test_concurrent_generation_is_serialised(engine):
     for t in threads:
         t.join()
     assert results == expected
+
+
+# ---- stats, decoding settings, templates, context room -------------------------------------------------
+
+
+def test_stats_count_every_row_once_and_time_the_stages(engine):
+    hole = "A hole: this passage was never ingested, so its KV is computed in context."
+    pre = engine.prefill(TEXTS[:2] + [hole], QUESTION, recompute_ratio=0.3, store_holes=False)
+    s = pre.stats
+    assert s["num_hole_tokens"] > 0 and len(s["chunk_misses"]) == 1 and len(s["chunk_hits"]) == 2
+    assert s["num_reused"] + s["num_exact_cached"] + s["num_computed"] + s["num_hole_tokens"] == s["num_tokens"]
+    assert set(s["timing"]) == {"kv_load_s", "kv_wait_s", "check_s", "layers_s"}
+    assert all(v >= 0 for v in s["timing"].values()) and s["timing"]["check_s"] > 0
+    assert s["ttft_s"] >= s["timing"]["check_s"] + s["timing"]["layers_s"]
+    gen = engine.generate(TEXTS, QUESTION, max_new_tokens=5)
+    assert gen.stats["num_generated"] == len(gen.token_ids) and gen.stats["timing"]["decode_s"] > 0
+    streamed: dict = {}
+    pieces = list(engine.stream(TEXTS, QUESTION, max_new_tokens=5, stats=streamed))
+    assert "".join(pieces).strip() == gen.text
+    assert streamed["num_generated"] == gen.stats["num_generated"] and streamed["timing"]["decode_s"] > 0
+
+
+def test_generation_stops_at_eos(tiny):
+    import copy
+
+    _, model, tokenizer = tiny
+    greedy = CacheBlendEngine(model, tokenizer).generate(TEXTS, QUESTION, max_new_tokens=12).token_ids
+    # make a token the greedy answer produces (first seen at position k) the end-of-sequence token
+    k = next((i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i]), None)
+    if k is None:
+        pytest.skip("the greedy answer repeats one token")
+    eos_tokenizer = copy.deepcopy(tokenizer)
+    eos_tokenizer.eos_token = eos_tokenizer.convert_ids_to_tokens(greedy[k])
+    stopped = CacheBlendEngine(model, eos_tokenizer).generate(TEXTS, QUESTION, max_new_tokens=12)
+    assert stopped.token_ids == greedy[: k + 1]
+
+
+def test_sampling_follows_temperature_and_top_p(engine):
+    greedy = engine.generate(TEXTS, QUESTION, max_new_tokens=8).token_ids
+    # a nucleus this small holds only the most likely token: sampling is greedy whatever the temperature
+    for seed in range(3):
+        assert engine.generate(TEXTS, QUESTION, max_new_tokens=8, temperature=5.0, top_p=1e-9, seed=seed).token_ids == greedy
+    hot = [engine.generate(TEXTS, QUESTION, max_new_tokens=8, temperature=5.0, seed=seed).token_ids for seed in range(3)]
+    assert any(h != greedy for h in hot)
+
+
+@pytest.mark.parametrize("settings,match", [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                                            (dict(top_p=1.5), "top_p"), (dict(max_new_tokens=0), "max_new_tokens")])
+def test_bad_sampling_settings(engine, settings, match):
+    with pytest.raises(ConfigError, match=match):
+        engine.generate(TEXTS, QUESTION, **settings)
+
+
+def test_prompt_plus_new_tokens_longer_than_context(tiny):
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer)
+    n = engine.prefill(TEXTS[:1], QUESTION).stats["num_tokens"]
+    model.config.max_position_embeddings = n + 4
+    engine = CacheBlendEngine(model, tokenizer)
+    assert len(engine.generate(TEXTS[:1], QUESTION, max_new_tokens=4).token_ids) <= 4
+    with pytest.raises(PromptTooLongError, match=rf"{n} tokens \+ max_new_tokens=5 exceeds .* {n + 4}"):
+        engine.generate(TEXTS[:1], QUESTION, max_new_tokens=5)
+    with pytest.raises(PromptTooLongError, match="max_new_tokens=5"):
+        list(engine.stream(TEXTS[:1], QUESTION, max_new_tokens=5))
+
+
+def test_template_per_request_and_without_chat_template(tiny):
+    import copy
+
+    from cacheblend_rag import PromptTemplate
+
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer)
+    template = PromptTemplate(system="Reply in French.", question="\n\nQ: {question}")
+    pre = engine.prefill(TEXTS[:2], QUESTION, template=template)
+    text = tokenizer.decode(pre.token_ids)
+    assert "Reply in French." in text and f"Q: {QUESTION}" in text and "You are a helpful assistant" not in text
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None  # a base model's tokenizer: the template falls back to plain text
+    plain_engine = CacheBlendEngine(model, plain)
+    pre = plain_engine.prefill(TEXTS[:2], QUESTION, recompute_ratio=0.3)
+    text = plain.decode(pre.token_ids)
+    assert text.rstrip().endswith("Answer:") and "<|im_start|>" not in text
+    full = plain_engine.prefill(TEXTS[:2], QUESTION, method="full_prefill")
+    full_one = plain_engine.prefill(TEXTS[:2], QUESTION, recompute_ratio=1.0)
+    torch.testing.assert_close(full_one.logits, full.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_cacheblend_with_nothing_to_select_reuses_the_exact_rows(engine):
+    """One chunk right after the prefix it was precomputed behind is exact: nothing is approximate, nothing recomputed."""
+    blend = engine.prefill(TEXTS[:1], QUESTION, recompute_ratio=0.15)
+    full = engine.prefill(TEXTS[:1], QUESTION, method="full_prefill")
+    assert blend.stats["num_reused"] == 0 and blend.stats["num_exact_cached"] > 0
+    assert blend.stats["rows_per_layer"][0] == blend.stats["num_tokens"] - blend.stats["num_exact_cached"]
+    torch.testing.assert_close(blend.logits, full.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_concurrent_stream_and_generate_do_not_mix(engine):
+    other = "Who won two Nobel prizes?"
+    expected_stream = "".join(engine.stream(TEXTS, QUESTION, max_new_tokens=8))
+    expected_gen = engine.generate(TEXTS, other, max_new_tokens=8).token_ids
+    results: dict[str, object] = {}
+
+    def stream() -> None:
+        results["stream"] = "".join(engine.stream(TEXTS, QUESTION, max_new_tokens=8))
+
+    def generate() -> None:
+        results["generate"] = engine.generate(TEXTS, other, max_new_tokens=8).token_ids
+
+    threads = [threading.Thread(target=f) for f in (stream, generate, stream, generate)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {"stream": expected_stream, "generate": expected_gen}
