@@ -330,3 +330,24 @@ def test_concurrent_stream_and_generate_do_not_mix(engine):
     for t in threads:
         t.join()
     assert results == {"stream": expected_stream, "generate": expected_gen}
+
+
+def test_sliding_window_model_through_the_engine(tokenizer):
+    """Mistral with a window shorter than the prompt: full prefill is HF's forward, ratio 1 is full prefill."""
+    from conftest import tiny_model
+
+    model = tiny_model("mistral", len(tokenizer), sliding_window=16)
+    engine = CacheBlendEngine(model, tokenizer)
+    engine.ingest(TEXTS, show_progress=False)
+    full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
+    assert full.stats["num_tokens"] > 4 * 16
+    with torch.no_grad():
+        expected = model(full.token_ids[None]).logits[0, -1]
+    torch.testing.assert_close(full.logits, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.prefill(TEXTS, QUESTION, recompute_ratio=1.0).logits, full.logits,
+                               atol=1e-4, rtol=1e-4)
+    # each window sees fewer pairs than causality alone would allow
+    n = full.stats["num_tokens"]
+    assert full.stats["attention_pairs_per_layer"][0] < n * (n + 1) // 2
+    blend = engine.generate(TEXTS, QUESTION, recompute_ratio=0.3, max_new_tokens=6)
+    assert 0 < blend.stats["num_recomputed"] < blend.stats["num_reused"] and len(blend.token_ids) > 0
