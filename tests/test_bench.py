@@ -248,5 +248,7 @@ def test_bench_breakdown_times_layers_and_ops(musique, tmp_path, capsys, one_thr
     assert 0 < blend["deep_rows_share"] < 0.5 and 0 < blend["deep_pairs_share"] < 1
     assert blend["deep_layer_s"] < full["deep_layer_s"] and blend["attention_s"] < full["attention_s"]
     assert full["matmul_s"] > 0 and full["other_s"] > 0
+    assert full["place_cached_kv_s"] == 0 < blend["place_cached_kv_s"]  # full prefill has no cached KV to place
+    assert blend["select_rows_s"] > 0 and blend["plan_attention_s"] > 0 and blend["outside_layers_s"] > 0
     assert "| cacheblend@0.15 |" in (tmp_path / "breakdown.md").read_text() and "deep layer" in capsys.readouterr().out
     assert cli_main(["bench", str(musique_path()), "--breakdown", "--methods", "stuff"]) == 2  # chains have no layers

@@ -4,9 +4,12 @@
 
 Prefill only (no decoding). Per question: ingest, warm every method once, then `repeats` timed rounds in
 rotating order (per-layer times from the loop's own timer), then one round under `torch.profiler` for the
-op shares: attention (SDPA kernels), matmuls (mm/addmm/bmm) and everything else. A method's layers fall
-into: layer 0, the layers until its row set settles (CacheBlend's check and filter layers), the deep
-layers (median of one), and the last layer (only the final row attends there).
+op shares: attention (SDPA kernels), matmuls (mm/addmm/bmm) and everything else, and for the loop's labelled
+regions (placing the cached KV: load + RoPE re-positioning; the policy's row selection; attention plans).
+What the request spends outside the layer loop (tokenising, placing chunks, the logits) is TTFT minus the
+layers' time. A method's layers fall into: layer 0, the layers until its row set settles (CacheBlend's
+check and filter layers), the deep layers (median of one), and the last layer (only the final row
+attends there).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
@@ -26,10 +28,18 @@ ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_int_mm")
 
 
+# the loop's labelled regions (torch.profiler.record_function), reported inclusive of the ops inside them
+REGIONS = {"fuse.place_cached_kv": "place_cached_kv_s", "fuse.select_rows": "select_rows_s",
+           "fuse.plan_attention": "plan_attention_s"}
+
+
 def _op_shares(prof, on_cuda: bool) -> dict[str, float]:
-    """Seconds of self time in attention kernels, matmuls and everything else, from a profiler run."""
-    shares = {"attention_s": 0.0, "matmul_s": 0.0, "other_s": 0.0}
+    """Seconds of self time in attention kernels, matmuls and everything else, and in the loop's regions."""
+    shares = {"attention_s": 0.0, "matmul_s": 0.0, "other_s": 0.0, **{key: 0.0 for key in REGIONS.values()}}
     for event in prof.key_averages():
+        if event.key in REGIONS:  # host time of the whole region; its ops are counted below by kind
+            shares[REGIONS[event.key]] += event.cpu_time_total / 1e6
+            continue
         us = event.self_device_time_total if on_cuda else event.self_cpu_time_total
         if any(op in event.key for op in ATTENTION_OPS):
             shares["attention_s"] += us / 1e6
@@ -75,6 +85,7 @@ def run(engine: CacheBlendEngine, items: list[dict], specs: list[MethodSpec], *,
             for spec in specs[shift:] + specs[:shift]:
                 stats = prefill(spec).stats
                 runs[spec.label].append({"ttft_s": stats["ttft_s"], "layer_s": stats["layer_s"],
+                                         "outside_s": stats["ttft_s"] - sum(stats["layer_s"]),
                                          "rows": stats["rows_per_layer"], "num_tokens": stats["num_tokens"],
                                          "pairs": stats["attention_pairs_per_layer"]})
                 bar.update()
@@ -95,6 +106,7 @@ def run(engine: CacheBlendEngine, items: list[dict], specs: list[MethodSpec], *,
         deep = num_layers - 2
         summary[spec.label] = {
             "ttft_s": statistics.median(r["ttft_s"] for r in records),
+            "outside_layers_s": statistics.median(r["outside_s"] for r in records),
             "layer_s": layer_s, **_layer_groups(layer_s, rows),
             "deep_rows_share": statistics.median(r["rows"][deep] / r["num_tokens"] for r in records),
             "deep_pairs_share": statistics.median(r["pairs"][deep] / (r["num_tokens"] * (r["num_tokens"] + 1) / 2)
@@ -117,8 +129,11 @@ def format_breakdown(summary: dict[str, dict]) -> str:
         lines.append(f"| {label} | {ms(s['ttft_s'])} | {speedup} | {ms(s['layer0_s'])} | {ms(s['until_settled_s'])} | "
                      f"{ms(s['deep_layer_s'])} | {s['num_deep_layers']} | {ms(s['last_layer_s'])} | "
                      f"{100 * s['deep_rows_share']:.1f}% | {100 * s['deep_pairs_share']:.1f}% |")
-    lines += ["", "| method (per request, profiled) | attention (ms) | matmuls (ms) | everything else (ms) |",
-              "|---|---|---|---|"]
+    lines += ["", "| method (per request, profiled) | attention (ms) | matmuls (ms) | everything else (ms) | "
+              "of all that: placing cached KV | selecting rows | attention plans | outside the layers (timed) |",
+              "|" + "---|" * 8]
     for label, s in summary.items():
-        lines.append(f"| {label} | {ms(s['attention_s'])} | {ms(s['matmul_s'])} | {ms(s['other_s'])} |")
+        lines.append(f"| {label} | {ms(s['attention_s'])} | {ms(s['matmul_s'])} | {ms(s['other_s'])} | "
+                     f"{ms(s['place_cached_kv_s'])} | {ms(s['select_rows_s'])} | {ms(s['plan_attention_s'])} | "
+                     f"{ms(s['outside_layers_s'])} |")
     return "\n".join(lines)

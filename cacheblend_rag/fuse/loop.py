@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch.profiler import record_function
 
 from ..kernels import RowAttentionPlan
 from ..models.adapter import LlamaFamilyAdapter
@@ -90,10 +91,12 @@ def run_layers(
         if all_fresh:
             layer_k, layer_v = k_rot, v
         else:
-            cached_k, layer_v = seq.cached_kv(layer)
-            layer_k = adapter.rope(cached_k, cos, sin)
-            layer_k[rows] = k_rot
-        keep = policy.keep(layer, rows, q, k, v, layer_k, seq)
+            with record_function("fuse.place_cached_kv"):  # load, re-position (RoPE), overlay the fresh rows
+                cached_k, layer_v = seq.cached_kv(layer)
+                layer_k = adapter.rope(cached_k, cos, sin)
+                layer_k[rows] = k_rot
+        with record_function("fuse.select_rows"):
+            keep = policy.keep(layer, rows, q, k, v, layer_k, seq)
         if not all_fresh:  # now the policy has read the cached V, the loader's buffer becomes the fused V
             layer_v[rows] = v
         if keep is not None:  # the dropped rows' fresh K/V stay in this layer; they compute no further
@@ -108,7 +111,8 @@ def run_layers(
         window = adapter.sliding_window(layer)
         plan = plans.get(window)
         if plan is None:
-            plan = plans[window] = RowAttentionPlan(rows, num_rows, hidden.dtype, window)
+            with record_function("fuse.plan_attention"):
+                plan = plans[window] = RowAttentionPlan(rows, num_rows, hidden.dtype, window)
         attn = plan.attend(q, layer_k, layer_v, scale=adapter.scaling(layer))
         result.pairs_per_layer.append(plan.num_pairs)
         hidden = adapter.finish_layer(layer, hidden, attn)
