@@ -35,33 +35,46 @@ def _finite(v) -> bool:
     return v is not None and not (isinstance(v, float) and math.isnan(v))
 
 
+def _color(label: str, summary_row: dict) -> tuple[str, str]:
+    """Marker and colour of a method's point: chains orange squares, CacheBlend blue, other engine methods grey."""
+    if summary_row.get("kind") == "chain":
+        return "s", "tab:orange"
+    return "o", "tab:blue" if label.startswith("cacheblend") else "tab:gray"
+
+
 def plot_quality_vs_ttft(summary: dict[str, dict], path: str | Path, title: str = "") -> Path:
-    """One point per method: median TTFT on x; gold F1 (left) and agreement with full prefill (right) on y."""
+    """One point per method: median TTFT on x; gold F1 (left) and agreement with full prefill (right) on y.
+
+    Points carry a number and the key on the right names them: full labels next to the points overlap
+    where methods sit close together (CacheBlend's ratios, prefix cache beside full prefill).
+    """
+    from matplotlib.lines import Line2D
+
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharex=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4.6), sharex=True)
     panels = (("f1", "gold token F1"), ("agreement_f1", "agreement with full prefill (token F1)"))
+    numbered = list(enumerate(summary.items(), start=1))
     for ax, (key, ylabel) in zip(axes, panels):
-        xs = [s["ttft_median_s"] for s in summary.values() if _finite(s.get(key)) and s["ttft_median_s"] > 0]
+        points = [(n, label, s) for n, (label, s) in numbered if _finite(s.get(key)) and s["ttft_median_s"] > 0]
+        xs = [s["ttft_median_s"] for _, _, s in points]
         if xs and max(xs) / min(xs) > 8:
             ax.set_xscale("log")
-        for i, (label, s) in enumerate(summary.items()):
-            if not _finite(s.get(key)):
-                continue
-            chain = s.get("kind") == "chain"
-            ax.scatter(s["ttft_median_s"], s[key], marker="s" if chain else "o", s=46,
-                       color="tab:orange" if chain else ("tab:blue" if label.startswith("cacheblend") else "tab:gray"),
-                       zorder=3)
-            ax.annotate(label, (s["ttft_median_s"], s[key]), textcoords="offset points", xytext=(5, 4 - 10 * (i % 3)), fontsize=8)
+        for n, label, s in points:
+            marker, color = _color(label, s)
+            ax.scatter(s["ttft_median_s"], s[key], marker=marker, s=46, color=color, zorder=3)
+            ax.annotate(str(n), (s["ttft_median_s"], s[key]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ys = [s[key] for _, _, s in points]
+        top = max(ys, default=1.0)
+        ax.set_ylim(-0.03 * max(top, 0.1), 1.05 if top > 0.5 else max(top, 0.1) * 1.3)  # gold F1 stays small here
         ax.set_xlabel("TTFT median (s)  [chains: first streamed chunk]")
         ax.set_ylabel(ylabel)
-        ax.set_ylim(-0.03, 1.05)
         ax.grid(alpha=0.3)
-    axes[0].scatter([], [], marker="o", color="tab:blue", label="CacheBlend")
-    axes[0].scatter([], [], marker="o", color="tab:gray", label="other engine methods")
-    axes[0].scatter([], [], marker="s", color="tab:orange", label="LangChain chains")
-    axes[0].legend(fontsize=8, loc="lower right")
+    handles = [Line2D([], [], linestyle="", marker=_color(label, s)[0], color=_color(label, s)[1],
+                      label=f"{n}  {label}  ({s['ttft_median_s']:.2f} s)") for n, (label, s) in numbered]
+    fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False, handletextpad=0.3)
     fig.suptitle(title or "quality vs time to first token (one point per method)", fontsize=10)
-    return _save(plt, fig, path)
+    fig.tight_layout(rect=(0, 0, 0.74, 1))
+    return _save(plt, fig, path, layout=False)
 
 
 def plot_quality_vs_ratio(summary: dict[str, dict], path: str | Path, title: str = "") -> Path | None:
@@ -87,9 +100,10 @@ def plot_quality_vs_ratio(summary: dict[str, dict], path: str | Path, title: str
     return _save(plt, fig, path)
 
 
-def _save(plt, fig, path: str | Path) -> Path:
-    """Lay out, write as PNG and free the figure."""
-    fig.tight_layout()
+def _save(plt, fig, path: str | Path, layout: bool = True) -> Path:
+    """Lay out (unless the caller did), write as PNG and free the figure."""
+    if layout:
+        fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
