@@ -46,6 +46,7 @@ class Prefill:
     keys: list[torch.Tensor] = field(repr=False)  # per layer (N, kv_heads, d), after RoPE
     values: list[torch.Tensor] = field(repr=False)
     chunk_ids: list[str] = field(default_factory=list)
+    unstored_holes: list[Chunk] = field(default_factory=list, repr=False)  # holes left to store (store_holes=False)
 
 
 @dataclass
@@ -276,10 +277,11 @@ class CacheBlendEngine:
             kv_bytes_loaded = sum(p.kv.bytes_read if isinstance(p.kv, DiskLayers) else p.kv.nbytes
                                   for p in seq.placements)  # before promotion reads the layers the loop skipped
 
-            if store_holes:  # after the first token's logits: holes cost TTFT once, then hit
-                for chunk in resolved:
-                    if chunk.chunk_id in misses and policy.reuse is Reuse.ALL:
-                        self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
+            # Holes are stored after the first token's logits: they cost TTFT once, then hit.
+            holes = [c for c in resolved if c.chunk_id in misses] if policy.reuse is Reuse.ALL else []
+            if store_holes:
+                self._store_holes(holes)
+                holes = []
             self._promote(seq)
 
         stats = self._stats(seq, result, hits, misses, resolved)
@@ -288,7 +290,13 @@ class CacheBlendEngine:
             stats["recompute_ratio"] = decision.recompute_ratio if decision else policy.recompute_ratio
         if decision is not None:
             stats["controller"] = decision.as_dict()
-        return Prefill(logits, stats, layout.token_ids, result.keys, result.values, [c.chunk_id for c in resolved])
+        return Prefill(logits, stats, layout.token_ids, result.keys, result.values, [c.chunk_id for c in resolved],
+                       holes)
+
+    def _store_holes(self, holes: list[Chunk]) -> None:
+        """Compute and store the KV of chunks that were holes, behind the lead-in, so the next request hits."""
+        for chunk in holes:
+            self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
 
     @property
     def controller(self) -> LoadingController:
@@ -407,12 +415,16 @@ class CacheBlendEngine:
     ) -> Generation:
         """Fused prefill, then decode: greedy by default, sampling with temperature/top_p."""
         settings = SamplingSettings(max_new_tokens, temperature, top_p, tuple(stop or ()), seed)
-        with self._lock:
-            pre = self.prefill(chunks, question, method, recompute_ratio, template=template, **policy_options)
-            self._check_room(pre, settings)
-            started = time.perf_counter()
-            new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings)
-            decode_s = time.perf_counter() - started
+        with self._lock:  # holes are stored after decoding, so the answer does not wait for them
+            pre = self.prefill(chunks, question, method, recompute_ratio, template=template, store_holes=False,
+                               **policy_options)
+            try:
+                self._check_room(pre, settings)
+                started = time.perf_counter()
+                new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings)
+                decode_s = time.perf_counter() - started
+            finally:
+                self._store_holes(pre.unstored_holes)
         text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), settings.stop)
         stats = dict(pre.stats, num_generated=int(new_ids.numel()))
         stats["timing"] = dict(pre.stats["timing"], decode_s=decode_s)
@@ -443,17 +455,21 @@ class CacheBlendEngine:
 
         def work() -> None:  # prefill and decode on one thread, holding the model's lock throughout
             try:
-                with self._lock:
-                    pre = self.prefill(chunks, question, method, recompute_ratio, template=template, **policy_options)
-                    self._check_room(pre, settings)
-                    if stats is not None:  # readable as soon as the first piece arrives
-                        stats.update(pre.stats)
-                    started = time.perf_counter()
-                    new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings,
-                                     streamer)
-                    if stats is not None:
-                        stats["num_generated"] = int(new_ids.numel())
-                        stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)
+                with self._lock:  # holes are stored after decoding: the first piece does not wait for them
+                    pre = self.prefill(chunks, question, method, recompute_ratio, template=template,
+                                       store_holes=False, **policy_options)
+                    try:
+                        self._check_room(pre, settings)
+                        if stats is not None:  # readable as soon as the first piece arrives
+                            stats.update(pre.stats)
+                        started = time.perf_counter()
+                        new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings,
+                                         streamer)
+                        if stats is not None:
+                            stats["num_generated"] = int(new_ids.numel())
+                            stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)
+                    finally:
+                        self._store_holes(pre.unstored_holes)
             except BaseException as e:  # surfaced to the consumer below
                 errors.put(e)
                 streamer.end()

@@ -351,3 +351,18 @@ def test_sliding_window_model_through_the_engine(tokenizer):
     assert full.stats["attention_pairs_per_layer"][0] < n * (n + 1) // 2
     blend = engine.generate(TEXTS, QUESTION, recompute_ratio=0.3, max_new_tokens=6)
     assert 0 < blend.stats["num_recomputed"] < blend.stats["num_reused"] and len(blend.token_ids) > 0
+
+
+def test_holes_are_stored_once_the_answer_is_done(engine):
+    """A chunk first seen as a hole is computed in context, then stored (after decoding) so the next request hits."""
+    holes = [f"Hole {i}: a passage that was never ingested, number {i} of three." for i in range(3)]
+    ids = [engine.resolve_chunk(h).chunk_id for h in holes]
+    pre = engine.prefill(TEXTS[:1] + holes[:1], QUESTION, store_holes=False)
+    assert pre.stats["chunk_misses"] == ids[:1] and [c.chunk_id for c in pre.unstored_holes] == ids[:1]
+    assert engine.prefill(TEXTS[:1] + holes[:1], QUESTION).stats["chunk_misses"] == ids[:1]  # not stored: a miss
+    assert engine.prefill(TEXTS[:1] + holes[:1], QUESTION).stats["chunk_misses"] == []  # stored by the last call
+    gen = engine.generate(TEXTS[:1] + holes[1:2], QUESTION, max_new_tokens=4)
+    assert gen.stats["chunk_misses"] == ids[1:2] and len(gen.token_ids) > 0
+    list(engine.stream(TEXTS[:1] + holes[2:], QUESTION, max_new_tokens=4))
+    again = engine.prefill(TEXTS[:1] + holes, QUESTION)
+    assert again.stats["chunk_misses"] == [] and again.stats["chunk_hits"] == [engine.resolve_chunk(TEXTS[0]).chunk_id] + ids
