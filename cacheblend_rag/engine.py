@@ -244,7 +244,11 @@ class CacheBlendEngine:
         store_holes: bool = True,
         **policy_options,
     ) -> Prefill:
-        """Fused prefill of [prefix][chunks][question]; `method` picks the token-selection policy."""
+        """Fused prefill of [prefix][chunks][question]; `method` picks the token-selection policy.
+
+        Holes (chunks not in the store) are computed in context, then stored after the logits unless
+        `store_holes=False`, which leaves them in `Prefill.unstored_holes`.
+        """
         started = time.perf_counter()
         auto = recompute_ratio == "auto"
         policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
@@ -293,10 +297,18 @@ class CacheBlendEngine:
         return Prefill(logits, stats, layout.token_ids, result.keys, result.values, [c.chunk_id for c in resolved],
                        holes)
 
-    def _store_holes(self, holes: list[Chunk]) -> None:
-        """Compute and store the KV of chunks that were holes, behind the lead-in, so the next request hits."""
-        for chunk in holes:
-            self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
+    def _store_holes(self, holes: list[Chunk], *, best_effort: bool = False) -> None:
+        """Compute and store the KV of chunks that were holes, behind the lead-in, so the next request hits.
+
+        Best effort after an answer: a failure to store (disk full, say) is logged, never raised over it.
+        """
+        try:
+            for chunk in holes:
+                self._chunk_kv(chunk, self.lead_in_ids, self.namespace, compute=True)
+        except Exception:
+            if not best_effort:
+                raise
+            logger.warning("could not store the KV of a hole; it will be computed again next time", exc_info=True)
 
     @property
     def controller(self) -> LoadingController:
@@ -424,7 +436,7 @@ class CacheBlendEngine:
                 new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings)
                 decode_s = time.perf_counter() - started
             finally:
-                self._store_holes(pre.unstored_holes)
+                self._store_holes(pre.unstored_holes, best_effort=True)
         text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), settings.stop)
         stats = dict(pre.stats, num_generated=int(new_ids.numel()))
         stats["timing"] = dict(pre.stats["timing"], decode_s=decode_s)
@@ -452,32 +464,34 @@ class CacheBlendEngine:
         settings = SamplingSettings(max_new_tokens, temperature, top_p, tuple(stop or ()), seed)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         errors: queue.Queue[BaseException] = queue.Queue()
+        decoded = threading.Event()  # set once the stats are final (or an error is queued)
 
         def work() -> None:  # prefill and decode on one thread, holding the model's lock throughout
-            try:
-                with self._lock:  # holes are stored after decoding: the first piece does not wait for them
+            with self._lock:
+                pre = None
+                try:
                     pre = self.prefill(chunks, question, method, recompute_ratio, template=template,
                                        store_holes=False, **policy_options)
-                    try:
-                        self._check_room(pre, settings)
-                        if stats is not None:  # readable as soon as the first piece arrives
-                            stats.update(pre.stats)
-                        started = time.perf_counter()
-                        new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings,
-                                         streamer)
-                        if stats is not None:
-                            stats["num_generated"] = int(new_ids.numel())
-                            stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)
-                    finally:
-                        self._store_holes(pre.unstored_holes)
-            except BaseException as e:  # surfaced to the consumer below
-                errors.put(e)
-                streamer.end()
+                    self._check_room(pre, settings)
+                    if stats is not None:  # readable as soon as the first piece arrives
+                        stats.update(pre.stats)
+                    started = time.perf_counter()
+                    new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings,
+                                     streamer)
+                    if stats is not None:
+                        stats["num_generated"] = int(new_ids.numel())
+                        stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)
+                except BaseException as e:  # surfaced to the consumer below
+                    errors.put(e)
+                    streamer.end()
+                finally:
+                    decoded.set()
+                    if pre is not None:  # holes are stored last: neither the first piece nor the last waits
+                        self._store_holes(pre.unstored_holes, best_effort=True)
 
-        worker = threading.Thread(target=work, daemon=True)
-        worker.start()
+        threading.Thread(target=work, daemon=True).start()
         yield from _stop_filtered(streamer, settings.stop)
-        worker.join()  # the streamer ends before decode returns: wait for the final stats (and any error)
+        decoded.wait()  # the streamer ends before decode returns: wait for the final stats (and any error)
         if not errors.empty():
             raise errors.get()
 

@@ -316,20 +316,20 @@ def test_concurrent_stream_and_generate_do_not_mix(engine):
     other = "Who won two Nobel prizes?"
     expected_stream = "".join(engine.stream(TEXTS, QUESTION, max_new_tokens=8))
     expected_gen = engine.generate(TEXTS, other, max_new_tokens=8).token_ids
-    results: dict[str, object] = {}
+    results: dict[str, list] = {"stream": [], "generate": []}
 
     def stream() -> None:
-        results["stream"] = "".join(engine.stream(TEXTS, QUESTION, max_new_tokens=8))
+        results["stream"].append("".join(engine.stream(TEXTS, QUESTION, max_new_tokens=8)))
 
     def generate() -> None:
-        results["generate"] = engine.generate(TEXTS, other, max_new_tokens=8).token_ids
+        results["generate"].append(engine.generate(TEXTS, other, max_new_tokens=8).token_ids)
 
     threads = [threading.Thread(target=f) for f in (stream, generate, stream, generate)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results == {"stream": expected_stream, "generate": expected_gen}
+    assert results == {"stream": [expected_stream] * 2, "generate": [expected_gen] * 2}
 
 
 def test_sliding_window_model_through_the_engine(tokenizer):
@@ -353,10 +353,21 @@ def test_sliding_window_model_through_the_engine(tokenizer):
     assert 0 < blend.stats["num_recomputed"] < blend.stats["num_reused"] and len(blend.token_ids) > 0
 
 
-def test_holes_are_stored_once_the_answer_is_done(engine):
-    """A chunk first seen as a hole is computed in context, then stored (after decoding) so the next request hits."""
+def test_holes_are_stored_once_the_answer_is_done(engine, monkeypatch):
+    """A chunk first seen as a hole is computed in context, then stored after decoding so the next request hits."""
+    import cacheblend_rag.engine as engine_module
+    from cacheblend_rag.store import KVKey
+
     holes = [f"Hole {i}: a passage that was never ingested, number {i} of three." for i in range(3)]
     ids = [engine.resolve_chunk(h).chunk_id for h in holes]
+    stored_when_decoding: list[tuple[bool, ...]] = []
+    decode = engine_module.decode
+
+    def observed_decode(*args, **kwargs):  # the real decode; it only notes whether the holes were stored yet
+        stored_when_decoding.append(tuple(engine.kv_store.contains(KVKey(engine.namespace, i)) for i in ids[1:]))
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "decode", observed_decode)
     pre = engine.prefill(TEXTS[:1] + holes[:1], QUESTION, store_holes=False)
     assert pre.stats["chunk_misses"] == ids[:1] and [c.chunk_id for c in pre.unstored_holes] == ids[:1]
     assert engine.prefill(TEXTS[:1] + holes[:1], QUESTION).stats["chunk_misses"] == ids[:1]  # not stored: a miss
@@ -366,3 +377,5 @@ def test_holes_are_stored_once_the_answer_is_done(engine):
     list(engine.stream(TEXTS[:1] + holes[2:], QUESTION, max_new_tokens=4))
     again = engine.prefill(TEXTS[:1] + holes, QUESTION)
     assert again.stats["chunk_misses"] == [] and again.stats["chunk_hits"] == [engine.resolve_chunk(TEXTS[0]).chunk_id] + ids
+    # generate decoded before storing its hole (ids[1]), stream before storing its own (ids[2])
+    assert stored_when_decoding == [(False, False), (True, False)]

@@ -93,9 +93,9 @@ class CacheBlend:
     `recompute_ratio` stay for the remaining layers (gradual filtering, §4.3: layer-1
     deviation predicts deep layers poorly on small models). Rows without cache are always
     active; the rest keep their cached KV. `candidate_factor=1` selects once, at the
-    check layer. With recompute_ratio=1 this is full prefill; with 0, full reuse (no
-    check layer is run); with no approximate rows at all (no chunks, or only the exact
-    first chunk) it reuses the exact ones as a prefix cache would.
+    check layer. With recompute_ratio=1 this is full prefill (when any row is approximate);
+    with 0, full reuse (no check layer is run); with no approximate rows at all (no chunks,
+    or only the exact first chunk), at any ratio, it reuses the exact ones as a prefix cache would.
     """
 
     recompute_ratio: float = 0.15  # share of reused rows recomputed from `filter_layer` on
