@@ -2,7 +2,9 @@
 
     cacheblend-rag bench --breakdown --limit 3 --dtype bfloat16 --methods full_prefill,full_reuse,cacheblend@0.15
 
-Prefill only (no decoding). Per question: ingest, warm every method once, then `repeats` timed rounds in
+Prefill only (no decoding). On CUDA the op shares are device time, but the per-layer times are host
+time between launches (the loop does not synchronise per layer), so read them as approximate there.
+Per question: ingest, warm every method once, then `repeats` timed rounds in
 rotating order (per-layer times from the loop's own timer), then one round under `torch.profiler` for the
 op shares: attention (SDPA kernels), matmuls (mm/addmm/bmm) and everything else, and for the loop's labelled
 regions (placing the cached KV: load + RoPE re-positioning; the policy's row selection; attention plans).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
@@ -40,6 +43,8 @@ def _op_shares(prof, on_cuda: bool) -> dict[str, float]:
         if event.key in REGIONS:  # host time of the whole region; its ops are counted below by kind
             shares[REGIONS[event.key]] += event.cpu_time_total / 1e6
             continue
+        if getattr(event, "device_type", DeviceType.CPU) != DeviceType.CPU:
+            continue  # a GPU kernel's own row: the op that launched it already counts its device time
         us = event.self_device_time_total if on_cuda else event.self_cpu_time_total
         if any(op in event.key for op in ATTENTION_OPS):
             shares["attention_s"] += us / 1e6
@@ -51,20 +56,30 @@ def _op_shares(prof, on_cuda: bool) -> dict[str, float]:
 
 
 def _layer_groups(layer_s: list[float], rows: list[int]) -> dict[str, float]:
-    """Layer 0, the layers until the row set settles, a deep layer (median) and the last layer, in seconds."""
+    """Layer 0, the layers until the row set settles, a deep layer (median) and the last layer, in seconds.
+
+    The deep layers are those between layer 0 and the last that have the rows of the one before the last;
+    a model of fewer than 3 layers has none (NaN).
+    """
     last = len(layer_s) - 1
-    settled = last - 1  # the deep layers are those with the rows of the one before the last
+    if last < 2:
+        return {"layer0_s": layer_s[0], "until_settled_s": 0.0, "deep_layer_s": float("nan"),
+                "num_deep_layers": 0, "last_layer_s": layer_s[last]}
+    settled = last - 1
     while settled > 1 and rows[settled - 1] == rows[last - 1]:
         settled -= 1
     return {"layer0_s": layer_s[0], "until_settled_s": sum(layer_s[1:settled]),
-            "deep_layer_s": statistics.median(layer_s[settled:last]) if settled < last else float("nan"),
-            "num_deep_layers": last - settled, "last_layer_s": layer_s[last]}
+            "deep_layer_s": statistics.median(layer_s[settled:last]), "num_deep_layers": last - settled,
+            "last_layer_s": layer_s[last]}
 
 
 def run(engine: CacheBlendEngine, items: list[dict], specs: list[MethodSpec], *, num_chunks: int = 6,
         chunk_tokens: int | None = None, repeats: int = 2, show_progress: bool = True) -> dict:
-    """Time and profile every engine method's prefill on every question; returns per-method medians."""
+    """Time and profile every engine method's prefill on every question; per method: medians of the timed
+    rounds, and op shares averaged over the profiled ones."""
     specs = [s for s in specs if not s.is_chain]
+    if not items or not specs or repeats < 1:
+        raise ValueError("a breakdown needs questions, at least one engine method and repeats ≥ 1")
     on_cuda = engine.adapter.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     runs: dict[str, list[dict]] = defaultdict(list)
@@ -103,7 +118,7 @@ def run(engine: CacheBlendEngine, items: list[dict], specs: list[MethodSpec], *,
         num_layers = len(records[0]["layer_s"])
         layer_s = [statistics.median(r["layer_s"][i] for r in records) for i in range(num_layers)]
         rows, n = records[0]["rows"], records[0]["num_tokens"]  # the first question's, for the shares below
-        deep = num_layers - 2
+        deep = max(0, num_layers - 2)  # the layer before the last: the deep row set, where there is one
         summary[spec.label] = {
             "ttft_s": statistics.median(r["ttft_s"] for r in records),
             "outside_layers_s": statistics.median(r["outside_s"] for r in records),

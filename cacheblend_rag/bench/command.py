@@ -195,9 +195,11 @@ def _execute_breakdown(args: argparse.Namespace, dataset: Path) -> dict:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "breakdown.md").write_text(f"{header}\n\n{table}\n")
+        finite = {label: {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+                  for label, row in summary.items()}  # strict JSON has no NaN
         (out / "breakdown.json").write_text(json.dumps({"meta": {"dataset": str(dataset), "questions": len(items),
                                                                   "chunks": args.chunks, "machine": eb.machine()},
-                                                         "summary": summary}, indent=1))
+                                                         "summary": finite}, indent=1))
         print(f"wrote {out / 'breakdown.md'}, {out / 'breakdown.json'}")
     return summary
 

@@ -35,7 +35,7 @@ def _finite(v) -> bool:
     return v is not None and not (isinstance(v, float) and math.isnan(v))
 
 
-def _color(label: str, summary_row: dict) -> tuple[str, str]:
+def _style(label: str, summary_row: dict) -> tuple[str, str]:
     """Marker and colour of a method's point: chains orange squares, CacheBlend blue, other engine methods grey."""
     if summary_row.get("kind") == "chain":
         return "s", "tab:orange"
@@ -60,7 +60,7 @@ def plot_quality_vs_ttft(summary: dict[str, dict], path: str | Path, title: str 
         if xs and max(xs) / min(xs) > 8:
             ax.set_xscale("log")
         for n, label, s in points:
-            marker, color = _color(label, s)
+            marker, color = _style(label, s)
             ax.scatter(s["ttft_median_s"], s[key], marker=marker, s=46, color=color, zorder=3)
             ax.annotate(str(n), (s["ttft_median_s"], s[key]), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ys = [s[key] for _, _, s in points]
@@ -69,8 +69,8 @@ def plot_quality_vs_ttft(summary: dict[str, dict], path: str | Path, title: str 
         ax.set_xlabel("TTFT median (s)  [chains: first streamed chunk]")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    handles = [Line2D([], [], linestyle="", marker=_color(label, s)[0], color=_color(label, s)[1],
-                      label=f"{n}  {label}  ({s['ttft_median_s']:.2f} s)") for n, (label, s) in numbered]
+    handles = [Line2D([], [], linestyle="", marker=_style(label, s)[0], color=_style(label, s)[1],
+                      label=f"{n}  {label}  ({s['ttft_median_s']:.3g} s)") for n, (label, s) in numbered]
     fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False, handletextpad=0.3)
     fig.suptitle(title or "quality vs time to first token (one point per method)", fontsize=10)
     fig.tight_layout(rect=(0, 0, 0.74, 1))
