@@ -252,3 +252,16 @@ def test_bench_breakdown_times_layers_and_ops(musique, tmp_path, capsys, one_thr
     assert blend["select_rows_s"] > 0 and blend["plan_attention_s"] > 0 and blend["outside_layers_s"] > 0
     assert "| cacheblend@0.15 |" in (tmp_path / "breakdown.md").read_text() and "deep layer" in capsys.readouterr().out
     assert cli_main(["bench", str(musique_path()), "--breakdown", "--methods", "stuff"]) == 2  # chains have no layers
+
+
+def test_breakdown_layer_groups():
+    from cacheblend_rag.bench.breakdown import _layer_groups
+
+    # CacheBlend-like: all rows at 0-1, candidates at 2-3, the settled selection from 4 to the one before last
+    groups = _layer_groups([5.0, 4.0, 3.0, 3.0, 1.0, 1.0, 2.0, 0.5], [9, 9, 5, 5, 2, 2, 2, 1])
+    assert groups == {"layer0_s": 5.0, "until_settled_s": 10.0, "deep_layer_s": 1.0, "num_deep_layers": 3,
+                      "last_layer_s": 0.5}
+    full = _layer_groups([5.0, 4.0, 6.0, 1.0], [9, 9, 9, 1])
+    assert full["until_settled_s"] == 0.0 and full["deep_layer_s"] == 5.0 and full["num_deep_layers"] == 2
+    shallow = _layer_groups([5.0, 1.0], [9, 1])  # no deep layers in a 2-layer model
+    assert shallow["num_deep_layers"] == 0 and math.isnan(shallow["deep_layer_s"]) and shallow["last_layer_s"] == 1.0
