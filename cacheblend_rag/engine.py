@@ -10,6 +10,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -427,16 +428,11 @@ class CacheBlendEngine:
     ) -> Generation:
         """Fused prefill, then decode: greedy by default, sampling with temperature/top_p."""
         settings = SamplingSettings(max_new_tokens, temperature, top_p, tuple(stop or ()), seed)
-        with self._lock:  # holes are stored after decoding, so the answer does not wait for them
-            pre = self.prefill(chunks, question, method, recompute_ratio, template=template, store_holes=False,
-                               **policy_options)
-            try:
-                self._check_room(pre, settings)
-                started = time.perf_counter()
-                new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings)
-                decode_s = time.perf_counter() - started
-            finally:
-                self._store_holes(pre.unstored_holes, best_effort=True)
+        with self._prefill_to_decode(chunks, question, method, recompute_ratio, template, settings,
+                                     policy_options) as pre:
+            started = time.perf_counter()
+            new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, settings)
+            decode_s = time.perf_counter() - started
         text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), settings.stop)
         stats = dict(pre.stats, num_generated=int(new_ids.numel()))
         stats["timing"] = dict(pre.stats["timing"], decode_s=decode_s)
@@ -467,12 +463,9 @@ class CacheBlendEngine:
         decoded = threading.Event()  # set once the stats are final (or an error is queued)
 
         def work() -> None:  # prefill and decode on one thread, holding the model's lock throughout
-            with self._lock:
-                pre = None
-                try:
-                    pre = self.prefill(chunks, question, method, recompute_ratio, template=template,
-                                       store_holes=False, **policy_options)
-                    self._check_room(pre, settings)
+            try:
+                with self._prefill_to_decode(chunks, question, method, recompute_ratio, template, settings,
+                                             policy_options) as pre:
                     if stats is not None:  # readable as soon as the first piece arrives
                         stats.update(pre.stats)
                     started = time.perf_counter()
@@ -481,19 +474,32 @@ class CacheBlendEngine:
                     if stats is not None:
                         stats["num_generated"] = int(new_ids.numel())
                         stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)
-                except BaseException as e:  # surfaced to the consumer below
-                    errors.put(e)
-                    streamer.end()
-                finally:
-                    decoded.set()
-                    if pre is not None:  # holes are stored last: neither the first piece nor the last waits
-                        self._store_holes(pre.unstored_holes, best_effort=True)
+                    decoded.set()  # the consumer may finish while the holes are stored
+            except BaseException as e:  # surfaced to the consumer below
+                errors.put(e)
+                streamer.end()
+            finally:
+                decoded.set()
 
         threading.Thread(target=work, daemon=True).start()
         yield from _stop_filtered(streamer, settings.stop)
         decoded.wait()  # the streamer ends before decode returns: wait for the final stats (and any error)
         if not errors.empty():
             raise errors.get()
+
+    @contextmanager
+    def _prefill_to_decode(self, chunks, question, method, recompute_ratio, template, settings: SamplingSettings,
+                           policy_options: dict) -> Iterator[Prefill]:
+        """Under the model's lock: the prefill to decode from, checked for room; its holes are stored after the
+        block (best effort), so neither the answer nor its first streamed piece waits for them."""
+        with self._lock:
+            pre = self.prefill(chunks, question, method, recompute_ratio, template=template, store_holes=False,
+                               **policy_options)
+            try:
+                self._check_room(pre, settings)
+                yield pre
+            finally:
+                self._store_holes(pre.unstored_holes, best_effort=True)
 
     def _check_room(self, pre: Prefill, settings: SamplingSettings) -> None:
         total = int(pre.token_ids.numel()) + settings.max_new_tokens

@@ -94,11 +94,25 @@ def resolve_dataset(value: str | None) -> Path:
     return path
 
 
+def _questions_and_engine(args: argparse.Namespace, dataset: Path):
+    """The questions to run and the engine to run them on, as the options say (threads set first)."""
+    from ..engine import CacheBlendEngine
+    from .datasets import load_dataset
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
+    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=args.kv_store, device=args.device,
+                                              dtype=args.dtype, home=args.home, lead_in=args.lead_in)
+    return items, engine
+
+
 def execute(args: argparse.Namespace, *, default_engine_only: bool = False) -> dict:
     """Run the benchmark described by parsed args; prints the table, writes outputs; returns the result."""
-    from ..engine import CacheBlendEngine
     from . import engine_bench as eb
-    from .datasets import load_dataset, question_passages
+    from .datasets import question_passages
     from .load import format_load_table, run_load
     from .report import write_outputs
 
@@ -118,13 +132,7 @@ def execute(args: argparse.Namespace, *, default_engine_only: bool = False) -> d
     specs = eb.parse_methods(methods, ratios, sweep=args.sweep, hf_available=hf)
     load_specs = [eb.MethodSpec.parse(m) for m in args.load_methods.split(",") if m.strip()] if args.concurrency else []
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
-    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=args.kv_store, device=args.device,
-                                              dtype=args.dtype, home=args.home, lead_in=args.lead_in)
+    items, engine = _questions_and_engine(args, dataset)
     show = not args.quiet
     result = eb.run(engine, items, specs, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
                     show_progress=show, chunk_tokens=args.chunk_tokens, seed=args.seed, warmup=not args.no_warmup)
@@ -166,11 +174,9 @@ def _execute_breakdown(args: argparse.Namespace, dataset: Path) -> dict:
     """`bench --breakdown`: per-layer times and op shares of each engine method; prints and writes them."""
     import json
 
-    from ..engine import CacheBlendEngine
     from . import engine_bench as eb
     from .breakdown import format_breakdown
     from .breakdown import run as run_breakdown
-    from .datasets import load_dataset
 
     specs = eb.parse_methods(args.methods or ",".join(eb.DEFAULT_METHODS), args.ratios or eb.DEFAULT_RATIOS)
     chains = [s.label for s in specs if s.is_chain]
@@ -178,13 +184,7 @@ def _execute_breakdown(args: argparse.Namespace, dataset: Path) -> dict:
         raise ValueError(f"--breakdown times the engine's prefill; chains have no layers: {', '.join(chains)}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be ≥ 1, got {args.repeats}")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
-    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=args.kv_store, device=args.device,
-                                              dtype=args.dtype, home=args.home, lead_in=args.lead_in)
+    items, engine = _questions_and_engine(args, dataset)
     summary = run_breakdown(engine, items, specs, num_chunks=args.chunks, chunk_tokens=args.chunk_tokens,
                             repeats=args.repeats, show_progress=not args.quiet)
     table = format_breakdown(summary)
