@@ -33,3 +33,7 @@ class CacheFormatError(CacheBlendError):
 
 class MissingDependencyError(CacheBlendError, ImportError):
     """An optional dependency is not installed; the message names the extra."""
+
+
+class KVWriteError(CacheBlendError, OSError):
+    """The KV of a chunk could not be stored (disk full, read-only folder, ...); the message says where and why."""

@@ -34,7 +34,6 @@ from ..fuse.policies import METHODS
 from ..ingest.chunks import Chunk, chunk_id, looks_like_chunk_id, normalize_text
 from ..models.loader import DEFAULT_MODEL
 from ..retrieval.prompt import INSTRUCTION, parse_prompt, render_prompt
-from ..store import KVKey
 
 try:
     from langchain_core.callbacks import BaseCallbackHandler, CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
@@ -346,8 +345,7 @@ class CacheBlendLLM(BaseLLM):
         value = self._recent.get(prompt)
         if value is not None:
             return _Request(list(value.chunk_texts), value.question, None, "prompt_value")
-        parsed = parse_prompt(prompt, is_known=lambda cid: cid in engine._chunks
-                              or engine.kv_store.contains(KVKey(engine.namespace, cid)))
+        parsed = parse_prompt(prompt, is_known=engine.knows)
         if parsed is not None:
             return _Request(list(parsed.chunk_texts), parsed.question, None, "parsed")
         return _Request([], prompt, plain, "plain")

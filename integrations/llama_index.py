@@ -26,7 +26,6 @@ from ..ingest.chunks import chunk_id, looks_like_chunk_id
 from ..models.loader import DEFAULT_MODEL
 from ..retrieval.loaders import DEFAULT_CHUNK_TOKENS, load_paths
 from ..retrieval.prompt import parse_prompt, render_prompt
-from ..store import KVKey
 
 try:
     from llama_index.core import Document, VectorStoreIndex
@@ -198,8 +197,7 @@ class CacheBlendLLM(CustomLLM):
         question = kwargs.pop("question", None)
         template = None
         if chunks is None:
-            parsed = parse_prompt(prompt, is_known=lambda cid: cid in engine._chunks
-                                  or engine.kv_store.contains(KVKey(engine.namespace, cid)))
+            parsed = parse_prompt(prompt, is_known=engine.knows)
             if parsed is not None:
                 chunks, question = parsed.chunk_texts, question or parsed.question
             else:
@@ -289,7 +287,7 @@ class KVAwareNodePostprocessor(BaseNodePostprocessor):
         engine = self._engine
         hits, misses, warmed = ids, [], []
         if engine is not None:
-            cached = {cid for cid in ids if engine.kv_store.contains(KVKey(engine.namespace, cid))}
+            cached = {cid for cid in ids if engine.has_kv(cid)}
             hits = [cid for cid in ids if cid in cached]
             misses = [cid for cid in ids if cid not in cached]
             if self.warm and misses:

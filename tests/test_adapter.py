@@ -19,7 +19,7 @@ def _adapter_logits(model, ids: torch.Tensor) -> torch.Tensor:
     seq = FusedSequence(ids, torch.full_like(ids, -1), [], adapter.num_layers, adapter.num_kv_heads,
                         adapter.head_dim, adapter.dtype)
     selection = FullPrefill().start(adapter, seq)
-    result = run_layers(adapter, seq, selection, selection.active)
+    result = run_layers(adapter, seq, selection)
     return adapter.logits(result.hidden)
 
 

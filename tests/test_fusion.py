@@ -114,9 +114,9 @@ def test_known_chunks_are_bounded_and_evicted_ids_still_resolve(tiny):
     _, model, tokenizer = tiny
     engine = CacheBlendEngine(model, tokenizer, max_known_chunks=2)
     ids = engine.ingest(TEXTS, show_progress=False)
-    assert list(engine._chunks) == ids[-2:]  # the two most recently seen
+    assert list(engine.chunks) == ids[-2:]  # the two most recently seen
     evicted = engine.resolve_chunk(ids[0])  # found again through its stored KV
-    assert evicted.text == TEXTS[0] and list(engine._chunks) == [ids[3], ids[0]]
+    assert evicted.text == TEXTS[0] and list(engine.chunks) == [ids[3], ids[0]]
     assert _max_diff(engine.prefill(ids, QUESTION), engine.prefill(TEXTS, QUESTION)) == 0.0
     with pytest.raises(ConfigError, match="max_known_chunks"):
         CacheBlendEngine(model, tokenizer, max_known_chunks=0)
@@ -355,6 +355,7 @@ def test_sliding_window_model_through_the_engine(tokenizer):
 
 def test_holes_are_stored_once_the_answer_is_done(engine, monkeypatch):
     """A chunk first seen as a hole is computed in context, then stored after decoding so the next request hits."""
+    import cacheblend_rag.decode.stream as stream_module
     import cacheblend_rag.engine as engine_module
     from cacheblend_rag.store import KVKey
 
@@ -367,7 +368,8 @@ def test_holes_are_stored_once_the_answer_is_done(engine, monkeypatch):
         stored_when_decoding.append(tuple(engine.kv_store.contains(KVKey(engine.namespace, i)) for i in ids[1:]))
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "decode", observed_decode)
+    monkeypatch.setattr(engine_module, "decode", observed_decode)  # generate decodes here...
+    monkeypatch.setattr(stream_module, "decode", observed_decode)  # ...and stream on its worker, in decode/stream.py
     pre = engine.prefill(TEXTS[:1] + holes[:1], QUESTION, store_holes=False)
     assert pre.stats["chunk_misses"] == ids[:1] and [c.chunk_id for c in pre.unstored_holes] == ids[:1]
     assert engine.prefill(TEXTS[:1] + holes[:1], QUESTION).stats["chunk_misses"] == ids[:1]  # not stored: a miss

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.loading import DiskLayers
 from cacheblend_rag.store import DiskStore, KVKey
 
 from conftest import tiny_model
@@ -43,7 +42,7 @@ def test_a_layer_that_fails_mid_request_falls_back_to_computing_the_chunk(tokeni
     reference = engine.prefill(ids, QUESTION, method="full_prefill")
     store = engine.kv_store
     path = store.path_for(KVKey(engine.namespace, ids[1]))
-    reader = DiskLayers.open(store, KVKey(engine.namespace, ids[1]))
+    reader = store.reader(KVKey(engine.namespace, ids[1]))
     assert reader is not None  # the header is fine when the request starts...
     data = bytearray(path.read_bytes())
     data[-64:] = bytes(64)  # ...but the last layer's bytes are damaged

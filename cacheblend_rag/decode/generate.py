@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from ..errors import ConfigError
 
+ALIASES = {"max_tokens": "max_new_tokens"}  # the OpenAI / LangChain name for the same setting
+
+
+def _number(name: str, value: Any, *, integer: bool = False) -> None:
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or (not integer and math.isnan(value)):
+        raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+
 
 @dataclass(frozen=True)
-class SamplingSettings:
-    """Decoding settings; temperature 0 means greedy."""
+class SamplingOptions:
+    """How to decode, for `generate` and `stream` alike; temperature 0 means greedy.
+
+    `stop` may be one string or several; empty stop strings are ignored (they would stop at once).
+    """
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -21,12 +36,55 @@ class SamplingSettings:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        _number("max_new_tokens", self.max_new_tokens, integer=True)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
+        _number("temperature", self.temperature)
         if self.temperature < 0:
             raise ConfigError(f"temperature must be ≥ 0, got {self.temperature}")
+        _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be within (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _number("seed", self.seed, integer=True)
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):  # one stop string, never its characters
+            stop = (stop,)
+        elif not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+            raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
+        object.__setattr__(self, "stop", tuple(s for s in stop if s))
+
+    @classmethod
+    def split(cls, options: dict[str, Any], base: "SamplingOptions | None" = None
+              ) -> tuple["SamplingOptions", dict[str, Any]]:
+        """(sampling options, the rest) from keyword arguments; `max_tokens` is read as `max_new_tokens`."""
+        names = {f.name for f in fields(cls)}
+        ours: dict[str, Any] = {}
+        rest: dict[str, Any] = {}
+        for key, value in options.items():
+            name = ALIASES.get(key, key)
+            if name in names:
+                if name in ours:
+                    raise ConfigError(f"{key!r} and {name!r} name the same setting; pass one")
+                ours[name] = value
+            else:
+                rest[key] = value
+        return replace(base or cls(), **ours), rest
+
+
+SamplingSettings = SamplingOptions  # the earlier name
+
+
+class _Cancelled(StoppingCriteria):
+    """Stops generation at the next step once `event` is set (the consumer went away)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 def build_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor], num_rows: int) -> DynamicCache:
@@ -37,7 +95,7 @@ def build_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor], nu
     return cache
 
 
-def generation_config(tokenizer, settings: SamplingSettings) -> GenerationConfig:
+def generation_config(tokenizer, settings: SamplingOptions) -> GenerationConfig:
     """An explicit GenerationConfig, so the model's own defaults never change our sampling."""
     eos = tokenizer.eos_token_id
     sample = settings.temperature > 0
@@ -55,8 +113,8 @@ def generation_config(tokenizer, settings: SamplingSettings) -> GenerationConfig
 
 @torch.inference_mode()
 def decode(model, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-           settings: SamplingSettings, streamer=None) -> torch.Tensor:
-    """New token ids after the prompt `token_ids` (N,), whose fused KV is given.
+           settings: SamplingOptions, streamer=None, cancel: threading.Event | None = None) -> torch.Tensor:
+    """New token ids after the prompt `token_ids` (N,), whose fused KV is given; stops early once `cancel` is set.
 
     The cache gets the first N-1 rows; generate recomputes the last prompt token
     (its KV is always fresh in the fused prefill, so its logits are the same).
@@ -73,6 +131,7 @@ def decode(model, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tensor], 
         generation_config=generation_config(tokenizer, settings),
         tokenizer=tokenizer,
         streamer=streamer,
+        stopping_criteria=StoppingCriteriaList([_Cancelled(cancel)]) if cancel is not None else None,
     )
     return out[0, n:]
 

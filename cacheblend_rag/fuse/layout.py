@@ -71,3 +71,26 @@ def assemble(prefix: list[int], chunks: list[torch.Tensor], separator: list[int]
     pieces.append(torch.tensor(suffix, dtype=torch.long))
     segments.append(torch.full((len(suffix),), -1, dtype=torch.long))
     return Layout(torch.cat(pieces), torch.cat(segments), len(prefix), tuple(starts))
+
+
+def assemble_pieces(texts: list[list[int]], chunks: list[torch.Tensor]) -> Layout:
+    """[text 0][chunk 0][text 1]...[chunk k-1][text k] with contiguous positions (a prompt the user wrote).
+
+    The exact prefix is text 0 when there are chunks; with none, nothing is a prefix (the prompt is computed).
+    """
+    if len(texts) != len(chunks) + 1:
+        raise ValueError(f"{len(chunks)} chunks need {len(chunks) + 1} text pieces, got {len(texts)}")
+    pieces: list[torch.Tensor] = []
+    segments: list[torch.Tensor] = []
+    starts: list[int] = []
+    row = 0
+    for i, text in enumerate(texts):
+        pieces.append(torch.tensor(text, dtype=torch.long))
+        segments.append(torch.full((len(text),), -1, dtype=torch.long))
+        row += len(text)
+        if i < len(chunks):
+            starts.append(row)
+            pieces.append(chunks[i].to(torch.long).cpu())
+            segments.append(torch.full((chunks[i].numel(),), i, dtype=torch.long))
+            row += chunks[i].numel()
+    return Layout(torch.cat(pieces), torch.cat(segments), len(texts[0]) if chunks else 0, tuple(starts))

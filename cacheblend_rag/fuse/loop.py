@@ -1,8 +1,9 @@
-"""The one layer loop. Every method (full prefill, prefix cache, full reuse, CacheBlend) runs through it.
+"""The one layer loop. Every method (full prefill, prefix cache, full reuse, CacheBlend, ...) runs through it.
 
 Per layer: project Q/K/V for the active rows, place the cached keys at their
-positions (RoPE), scatter the fresh K/V of the active rows over them, let the
-policy narrow the active rows (HKVD selection), then attend causally and run the
+positions (RoPE), overlay the fresh keys of the active rows, show the selection
+one `LayerView` (fresh q/k/v, the cached K/V as loaded, the fused keys) so it can
+narrow the active rows, then write the fresh values, attend causally and run the
 MLP for the rows that stay. Rows that are not active keep their cached K/V in
 that layer; rows with no cached KV are always active.
 """
@@ -21,16 +22,32 @@ from ..models.adapter import LlamaFamilyAdapter
 from .sequence import FusedSequence
 
 
-class RowPolicy(Protocol):
-    """Decides, per layer, which active rows stay active."""
+@dataclass(frozen=True)
+class LayerView:
+    """What a selection sees of one layer, before the loop writes the fresh values over the cached ones."""
 
-    def keep(self, layer: int, rows: torch.Tensor, fresh_q: torch.Tensor, fresh_k: torch.Tensor,
-             fresh_v: torch.Tensor, keys: torch.Tensor, seq: FusedSequence) -> torch.Tensor | None:
-        """A bool mask over `rows` of those that stay active from this layer on, or None to keep all.
+    layer: int
+    rows: torch.Tensor  # (M,) rows active in this layer
+    q: torch.Tensor  # (M, heads, d) their queries, after RoPE
+    k: torch.Tensor  # (M, kv_heads, d) their fresh keys, before RoPE (as cached)
+    v: torch.Tensor  # (M, kv_heads, d) their fresh values
+    cached_k: torch.Tensor | None  # (N, kv_heads, d) cached keys before RoPE as loaded (zeros where uncached);
+    cached_v: torch.Tensor | None  # None when every row is computed in this layer
+    keys: torch.Tensor  # (N, kv_heads, d) the layer's fused keys after RoPE (fresh rows overlaid)
+    scale: float  # the layer's softmax scale
+    seq: FusedSequence  # which rows are cached, exact, reused, and their chunks
 
-        fresh_q (M, heads, d) is the rows' queries after RoPE; fresh_k and fresh_v (M, kv_heads, d)
-        their keys (before RoPE, as cached) and values; keys (N, kv_heads, d) the layer's fused keys
-        after RoPE. Dropped rows still leave their fresh K/V in this layer.
+
+class Selection(Protocol):
+    """One request's row plan: the rows active from layer 0, and which of them stay active layer by layer."""
+
+    active: torch.Tensor  # (N,) bool
+    full_layers: int  # leading layers computed over every non-exact row (0 if none)
+
+    def keep(self, view: LayerView) -> torch.Tensor | None:
+        """A bool mask over `view.rows` of those that stay active from this layer on, or None to keep all.
+
+        Dropped rows still leave their fresh K/V in this layer; rows without cached KV are never dropped.
         """
 
 
@@ -55,18 +72,18 @@ class LoopResult:
 def run_layers(
     adapter: LlamaFamilyAdapter,
     seq: FusedSequence,
-    policy: RowPolicy,
-    active: torch.Tensor,
+    selection: Selection,
     *,
     record_fresh: bool = False,
     num_output_rows: int | None = None,
 ) -> LoopResult:
-    """Run every layer over `seq` for the rows in `active` ((N,) bool), as `policy` narrows them.
+    """Run every layer over `seq` for the rows in `selection.active`, as the selection narrows them.
 
     With `num_output_rows` n, the last layer attends and runs its MLP for the last n active rows only: the
     other rows' K/V of that layer are all a decoding cache needs, and only the last rows' logits are read.
     """
     num_rows = seq.num_rows
+    active = selection.active
     if bool((~seq.cached & ~active).any()):
         raise ValueError("rows without cached KV must be active")
     positions = torch.arange(num_rows, device=seq.token_ids.device)
@@ -88,16 +105,19 @@ def run_layers(
         q = adapter.rope(q, row_cos, row_sin)
         k_rot = adapter.rope(k, row_cos, row_sin)
         all_fresh = rows.numel() == num_rows  # every row computed: nothing cached to place
+        cached_k = cached_v = None
         if all_fresh:
             layer_k, layer_v = k_rot, v
         else:
             with record_function("fuse.place_cached_kv"):  # load, re-position (RoPE), overlay the fresh rows
-                cached_k, layer_v = seq.cached_kv(layer)
+                cached_k, cached_v = seq.cached_kv(layer)
                 layer_k = adapter.rope(cached_k, cos, sin)
                 layer_k[rows] = k_rot
         with record_function("fuse.select_rows"):
-            keep = policy.keep(layer, rows, q, k, v, layer_k, seq)
-        if not all_fresh:  # now the policy has read the cached V, the loader's buffer becomes the fused V
+            keep = selection.keep(LayerView(layer, rows, q, k, v, cached_k, cached_v, layer_k,
+                                            adapter.scaling(layer), seq))
+        if not all_fresh:  # the selection has seen the cached V: the loaded buffer becomes the fused V
+            layer_v = cached_v
             layer_v[rows] = v
         if keep is not None:  # the dropped rows' fresh K/V stay in this layer; they compute no further
             keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped

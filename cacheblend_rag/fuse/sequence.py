@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loading.layers import LayerReader
 from ..loading.prefetch import LayerLoader, Placed
+from ..store import LayerReader
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Placement:
     """A cached KV placed at rows [row_start, row_start + kv.num_tokens)."""
 
     row_start: int
-    kv: LayerReader  # a resident ChunkKV, or a reader of a stored one (layer by layer)
+    kv: LayerReader  # a reader of the cached KV (resident, on disk, ...), layer by layer
     exact: bool  # True when the KV was computed after exactly the rows before it (a true prefix cache)
 
 
@@ -67,11 +67,10 @@ class FusedSequence:
     def cached_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE keys and values of all rows at `layer`, (N, kv_heads, d) each; zeros where not cached.
 
-        The layer loop writes the fresh V of the layer's active rows into the values in place, once the
-        policy has read them, so a policy must read a layer's cached KV within its `keep` of that layer.
+        Handed over once per layer: the layer loop asks, shows them to the selection, then reuses the buffers.
         """
         return self.loader.get(layer)
 
     def close(self) -> None:
-        """Stop any prefetching and free loaded layers."""
+        """Stop any prefetching and free layers loaded but not taken (the readers are closed by their owner)."""
         self.loader.close()

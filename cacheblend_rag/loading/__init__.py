@@ -1,6 +1,6 @@
-"""Per-layer KV loading: readers for each storage tier and a prefetcher that runs ahead of the layer loop."""
+"""Per-layer KV loading: a prefetcher that assembles stored layers ahead of the layer loop; measured profiles and
+the loading controller. The per-chunk readers themselves live in `cacheblend_rag.store`."""
 
-from .layers import DiskLayers, LayerReader, LayerReadError
 from .prefetch import LayerLoader
 
-__all__ = ["DiskLayers", "LayerLoader", "LayerReadError", "LayerReader"]
+__all__ = ["LayerLoader"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layers import LayerReader
+from ..store import LayerReader
 
 
 @dataclass(frozen=True)
@@ -83,15 +83,10 @@ class LayerLoader:
                 self._cond.notify_all()
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s cached K and V; waits for the prefetcher if it is behind."""
+        """Layer `layer`'s cached K and V, handed over once (the loader keeps no reference); waits for the
+        prefetcher if it is behind."""
         if self.depth <= 0:
-            with self._cond:
-                hit = self._ready.get(layer)
-            if hit is None:
-                hit = self._assemble(layer)
-                with self._cond:
-                    self._ready[layer] = hit
-            return hit
+            return self._assemble(layer)
         with self._cond:
             self._wanted = max(self._wanted, layer)
             self._cond.notify_all()
@@ -103,13 +98,14 @@ class LayerLoader:
                 self._cond.wait()
             self.wait_s += time.perf_counter() - started
             if layer in self._ready:
-                return self._ready[layer]
+                return self._ready.pop(layer)
             raise next(iter(self._errors.values()))
 
     def close(self) -> None:
-        """Stop the prefetcher (at the end of a request or on error)."""
+        """Stop the prefetcher (at the end of a request or on error) and drop layers it loaded but nobody took."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        self._ready.clear()

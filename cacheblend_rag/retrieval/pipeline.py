@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from ..store import KVKey
 from .loaders import DEFAULT_CHUNK_TOKENS, load_paths, split_texts
 
 
@@ -50,11 +49,11 @@ def ingest_paths(
     records = split_texts(texts, engine.tokenizer, chunk_tokens=chunk_tokens)
     ids = [r.chunk_id for r in records]
     new_vectors = set(store.upsert(records, show_progress=show_progress)) if store is not None else set()
-    missing_kv = [r for r in records if not engine.kv_store.contains(KVKey(engine.namespace, r.chunk_id))]
+    missing_kv = [r for r in records if not engine.has_kv(r.chunk_id)]
     engine.ingest([r.text for r in missing_kv], show_progress=show_progress)
     kv_bytes = 0
     for r in missing_kv:
-        kv = engine.kv_store.get(KVKey(engine.namespace, r.chunk_id))
+        kv = engine.cache.store.get(engine.cache.key(r.chunk_id))
         kv_bytes += kv.nbytes if kv is not None else 0
     tokens = sum(len(engine.tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in records)
     new = new_vectors | {r.chunk_id for r in missing_kv}

@@ -7,17 +7,21 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .base import ChunkKV, KVKey, KVStore, token_ids_digest
-from .disk import DiskStore
+from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, ResidentReader, token_ids_digest
+from .disk import DiskReader, DiskStore
 from .memory import MemoryStore
 from .tiered import TieredStore
 
 __all__ = [
     "ChunkKV",
+    "DiskReader",
     "DiskStore",
     "KVKey",
     "KVStore",
+    "LayerReadError",
+    "LayerReader",
     "MemoryStore",
+    "ResidentReader",
     "TieredStore",
     "open_store",
     "token_ids_digest",
@@ -35,7 +39,8 @@ def open_store(
     if path is None:
         return MemoryStore(memory_bytes)
     if isinstance(path, (str, Path)):
-        return TieredStore(MemoryStore(memory_bytes), DiskStore(path, disk_bytes, disk_dtype))
+        # "~/kv" means the home folder, never a literal "./~" folder
+        return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype))
     if isinstance(path, KVStore):
         return path
     raise ConfigError(f"open_store expects None, a path or a KVStore, got {type(path).__name__}")

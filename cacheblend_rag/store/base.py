@@ -1,12 +1,16 @@
-"""What the KV store holds (ChunkKV), how entries are named (KVKey), and the KVStore protocol."""
+"""What the KV store holds (ChunkKV), how entries are named (KVKey), the per-request LayerReader and the KVStore
+protocol every tier implements (callers never ask which tier they hold)."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from ..errors import CacheFormatError
 
 
 @dataclass(frozen=True)
@@ -103,21 +107,92 @@ def token_ids_digest(namespace: str, token_ids: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+class LayerReadError(CacheFormatError):
+    """A stored layer could not be read (truncated or corrupt entry) in the middle of a request."""
+
+    def __init__(self, key: KVKey | None, layer: int, reason: str = "") -> None:
+        detail = f" ({reason})" if reason else ""
+        super().__init__(f"layer {layer} of {key} could not be read{detail}; the chunk will be recomputed")
+        self.key = key
+        self.layer = layer
+
+
+@runtime_checkable
+class LayerReader(Protocol):
+    """One stored chunk KV, opened (and its header validated) once per request, read one layer at a time.
+
+    `tier` names where the bytes come from ("memory", "disk", ...), `layer_nbytes` is what reading one
+    layer costs in stored bytes, `bytes_read` what this reader has read so far.
+    """
+
+    key: KVKey | None
+    tier: str
+    token_ids: torch.Tensor  # (num_tokens,) int64
+    num_layers: int
+    layer_nbytes: int
+    bytes_read: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys before RoPE, values) of one layer, (num_tokens, kv_heads, d) each; LayerReadError if unreadable."""
+
+    def close(self) -> None:
+        """End of the request: release handles (a tier may promote what was read)."""
+
+
+class ResidentReader:
+    """A LayerReader over a ChunkKV already in memory."""
+
+    def __init__(self, kv: ChunkKV, key: KVKey | None = None, tier: str = "memory") -> None:
+        self.kv = kv
+        self.key = key
+        self.tier = tier
+        self.token_ids = kv.token_ids
+        self.num_layers = kv.num_layers
+        self.layer_nbytes = kv.layer_nbytes
+        self.bytes_read = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+        return self.kv.num_tokens
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's tensors as held."""
+        self.bytes_read += self.layer_nbytes
+        return self.kv.layer(layer)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 @runtime_checkable
 class KVStore(Protocol):
-    """A store of ChunkKV by KVKey. Implementations are thread-safe."""
+    """A store of ChunkKV by KVKey. Implementations are thread-safe; a failing or corrupt entry is a miss."""
 
     def get(self, key: KVKey) -> ChunkKV | None:
         """The entry, or None on a miss (a corrupt or foreign entry is a miss too)."""
 
+    def reader(self, key: KVKey) -> LayerReader | None:
+        """A per-layer reader of the entry, validated once now, or None on a miss."""
+
+    def token_ids(self, key: KVKey) -> torch.Tensor | None:
+        """The entry's token ids alone (cheap: no layer is read), or None."""
+
     def put(self, key: KVKey, kv: ChunkKV) -> None:
-        """Store (or replace) an entry."""
+        """Store (or replace) an entry; raises KVWriteError when it could not be kept anywhere durable."""
 
     def contains(self, key: KVKey) -> bool:
-        """Whether a valid-looking entry exists, without loading it."""
+        """Whether a valid-looking entry exists (header and size checked), without loading it."""
 
     def delete(self, key: KVKey) -> bool:
         """Remove an entry; True if one was removed."""
+
+    def tiers(self) -> dict[str, Path | None]:
+        """The tiers behind this store, fastest first, with their folder where they have one."""
 
     def stats(self) -> dict:
         """Counters: hits, misses, puts, evictions, bytes and entries (per tier for composites)."""

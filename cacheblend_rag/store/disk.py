@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
+import struct
 import threading
 import time
 import uuid
@@ -17,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from ..errors import ConfigError
-from .base import ChunkKV, KVKey, token_ids_digest
+from ..errors import ConfigError, KVWriteError
+from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,6 +32,10 @@ QUARANTINE_DIR = ".quarantine"
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _READ_ATTEMPTS = 3
 _INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_dim", "positions_start")
+MAX_HEADER_BYTES = 1024**2  # ours are ~10 kB; a larger header is hostile or foreign and never parsed
+QUARANTINE_MAX_FILES = 32  # oldest quarantined files beyond this are deleted
+STALE_TEMP_S = 24 * 3600  # a temp file this old is stale even if its writer's pid was reused
+_LOGGED_CHARS = 200  # longest header value or reason echoed into a log line
 
 
 class _Corrupt(Exception):
@@ -46,6 +52,43 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _crc(t: torch.Tensor) -> str:
     return str(zlib.crc32(t.contiguous().view(torch.uint8).numpy()))
+
+
+def _short(value: object) -> str:
+    """A value for a log line, cut to a bounded length (headers are untrusted input)."""
+    text = repr(value)
+    return text if len(text) <= _LOGGED_CHARS else f"{text[:_LOGGED_CHARS]}... ({len(text)} chars)"
+
+
+def _check_file(path: Path) -> None:
+    """Raise _Corrupt unless path is a regular file whose safetensors header is of a sane size.
+
+    Opened non-blocking and checked with fstat first, so a FIFO or device at a KV path never hangs a request,
+    and the header length is bounded before safetensors parses it.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Corrupt("not a regular file")
+        head = os.pread(fd, 8, 0)
+    finally:
+        os.close(fd)
+    if len(head) < 8:
+        raise _Corrupt("shorter than a safetensors header")
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > st.st_size:
+        raise _Corrupt(f"header length {header_len} is out of bounds for a {st.st_size}-byte file")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
@@ -67,7 +110,7 @@ class DiskStore:
             raise ConfigError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         if _dtype_name(dtype) not in _DTYPES:
             raise ConfigError(f"disk dtype must be one of {sorted(_DTYPES)}, got {dtype}")
-        self.root = Path(root)
+        self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.dtype = dtype
@@ -103,24 +146,53 @@ class DiskStore:
             positions_start=int(meta["positions_start"]),
         )
 
+    def reader(self, key: KVKey) -> "DiskReader | None":
+        """A reader of the entry: the file is opened, its header and token ids validated, once; or None."""
+        path = self.path_for(key)
+        for _ in range(_READ_ATTEMPTS):
+            sig = self._signature(path)
+            if sig is None:
+                break
+            try:
+                _check_file(path)
+                handle = safe_open(path, framework="pt", device="cpu")  # held: reads stay on this inode
+            except FileNotFoundError:
+                break
+            except Exception as e:  # noqa: BLE001 - anything unreadable is a corrupt entry
+                if self._signature(path) != sig:
+                    continue
+                self._quarantine(path, sig, f"{type(e).__name__}: {e}")
+                break
+            try:
+                meta, token_ids = self._header(handle, key)
+            except Exception as e:  # noqa: BLE001
+                handle.__exit__(None, None, None)
+                self._quarantine(path, sig, f"{type(e).__name__}: {e}")
+                break
+            with self._lock:
+                self._hits += 1
+                self._touch(path)
+            return DiskReader(self, key, path, sig, handle, meta, token_ids)
+        with self._lock:
+            self._misses += 1
+        return None
+
     def get_layer(self, key: KVKey, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One layer's (keys, values), read alone and validated, or None (missing or corrupt)."""
         path = self.path_for(key)
         loaded = self._guarded(path, lambda f: self._read(f, key, path, layer))
         return None if loaded is None else loaded[2][0]
 
-    def get_token_ids(self, key: KVKey) -> torch.Tensor | None:
-        """The entry's token ids alone, validated against its digest, or None."""
-        path = self.path_for(key)
+    def token_ids(self, key: KVKey) -> torch.Tensor | None:
+        """The entry's token ids alone, validated against its header and digest, or None."""
+        loaded = self._guarded(self.path_for(key), lambda f: self._header(f, key))
+        return None if loaded is None else loaded[1]
 
-        def read(f):
-            meta = self._check_meta(f.metadata(), key)
-            token_ids = self._tensor(f, meta, "token_ids", (int(meta["num_tokens"]),), torch.int64)
-            if token_ids_digest(key.namespace, token_ids) != meta.get("kv_digest"):
-                raise _Corrupt("kv_digest does not match the stored token ids")
-            return token_ids
+    get_token_ids = token_ids
 
-        return self._guarded(path, read)
+    def tiers(self) -> dict[str, Path | None]:
+        """One tier, on the file system under root."""
+        return {"disk": self.root}
 
     def read_meta(self, key: KVKey) -> dict | None:
         """The entry's header (str -> str) after checking it names this key, or None."""
@@ -135,16 +207,19 @@ class DiskStore:
             logger.debug("not caching %s on disk: %d bytes > budget %d", key, len(data), self.max_bytes)
             self.delete(key)  # a put replaces: do not keep an older version around
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Unique temp name in the same directory, so os.replace is an atomic same-filesystem rename.
         tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+            if isinstance(e, OSError):
+                raise KVWriteError(f"could not write the KV of {key} to {path}: {e.strerror or e}; "
+                                   "free space or fix the folder's permissions (or pick another kv_store)") from e
             raise
         with self._lock:
             self._puts += 1
@@ -152,8 +227,8 @@ class DiskStore:
             self._evict()
 
     def contains(self, key: KVKey) -> bool:
-        """Whether a file exists for the key (validated only when read)."""
-        return self.path_for(key).is_file()
+        """Whether a valid-looking entry is stored: header, size and token digest checked (a bad file is quarantined)."""
+        return self.token_ids(key) is not None
 
     def delete(self, key: KVKey) -> bool:
         """Remove an entry; True if a file was removed."""
@@ -235,6 +310,7 @@ class DiskStore:
             if sig is None:
                 return None
             try:
+                _check_file(path)
                 with safe_open(path, framework="pt", device="cpu") as f:
                     return fn(f)
             except FileNotFoundError:  # evicted or deleted meanwhile: a plain miss
@@ -254,7 +330,7 @@ class DiskStore:
     def _signature(self, path: Path) -> tuple[int, ...] | None:
         """Identity of the file now at path (changes on every atomic replace), or None."""
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             with self._lock:
                 self._forget(path)
@@ -268,14 +344,15 @@ class DiskStore:
         if not meta:
             raise _Corrupt("no metadata header")
         if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-            raise _Corrupt(f"format {meta.get('format')!r} v{meta.get('format_version')!r}")
+            raise _Corrupt(f"format {_short(meta.get('format'))} v{_short(meta.get('format_version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
-            raise _Corrupt(f"file holds {meta.get('namespace')}/{meta.get('chunk_id')}, not {key}")
+            raise _Corrupt(f"file holds {_short(meta.get('namespace'))}/{_short(meta.get('chunk_id'))}, not {key}")
         if meta.get("dtype") not in _DTYPES:
-            raise _Corrupt(f"unknown dtype {meta.get('dtype')!r}")
+            raise _Corrupt(f"unknown dtype {_short(meta.get('dtype'))}")
         for name in _INT_FIELDS:
-            if not str(meta.get(name, "")).isdigit():
-                raise _Corrupt(f"bad {name}={meta.get(name)!r}")
+            value = str(meta.get(name, ""))
+            if not (value.isascii() and value.isdigit() and len(value) < 10):
+                raise _Corrupt(f"bad {name}={_short(meta.get(name))}")
         if int(meta["num_layers"]) < 1:
             raise _Corrupt("num_layers < 1")
         return dict(meta)
@@ -288,29 +365,36 @@ class DiskStore:
             raise _Corrupt(f"checksum mismatch in {name}")
         return t
 
-    def _read(self, f, key: KVKey, path: Path, layer: int | None):
-        """(meta, token_ids, [(k, v), ...]) for all layers, or just `layer`."""
+    def _header(self, f, key: KVKey) -> tuple[dict, torch.Tensor]:
+        """The validated header and token ids of an open file (names, digest): what every read checks first."""
         meta = self._check_meta(f.metadata(), key)
-        n_layers, n, h = (int(meta[x]) for x in ("num_layers", "num_tokens", "num_kv_heads"))
-        if layer is not None and not 0 <= layer < n_layers:
-            raise _LayerOutOfRange(f"layer {layer} out of range for {n_layers} layers in {path}")
+        n_layers = int(meta["num_layers"])
         expected = {"token_ids"} | {f"{c}.{i}" for i in range(n_layers) for c in "kv"}
         if set(f.keys()) != expected:
             raise _Corrupt("unexpected tensor names")
-        token_ids = self._tensor(f, meta, "token_ids", (n,), torch.int64)
+        token_ids = self._tensor(f, meta, "token_ids", (int(meta["num_tokens"]),), torch.int64)
         if token_ids_digest(key.namespace, token_ids) != meta.get("kv_digest"):
             raise _Corrupt("kv_digest does not match the stored token ids")
+        return meta, token_ids
+
+    def _layer(self, f, meta: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's validated (keys, values) from an open file whose header was checked."""
+        n, h = int(meta["num_tokens"]), int(meta["num_kv_heads"])
         dtype = _DTYPES[meta["dtype"]]
-        k_shape, v_shape = (n, h, int(meta["head_dim"])), (n, h, int(meta["v_head_dim"]))
+        return (self._tensor(f, meta, f"k.{layer}", (n, h, int(meta["head_dim"])), dtype),
+                self._tensor(f, meta, f"v.{layer}", (n, h, int(meta["v_head_dim"])), dtype))
+
+    def _read(self, f, key: KVKey, path: Path, layer: int | None):
+        """(meta, token_ids, [(k, v), ...]) for all layers, or just `layer`."""
+        meta, token_ids = self._header(f, key)
+        n_layers = int(meta["num_layers"])
+        if layer is not None and not 0 <= layer < n_layers:
+            raise _LayerOutOfRange(f"layer {layer} out of range for {n_layers} layers in {path}")
         wanted = range(n_layers) if layer is None else (layer,)
-        layers = [
-            (self._tensor(f, meta, f"k.{i}", k_shape, dtype), self._tensor(f, meta, f"v.{i}", v_shape, dtype))
-            for i in wanted
-        ]
-        return meta, token_ids, layers
+        return meta, token_ids, [self._layer(f, meta, i) for i in wanted]
 
     def _quarantine(self, path: Path, sig: tuple[int, ...], reason: str) -> None:
-        logger.warning("corrupt KV file %s (%s); moving it to %s", path, reason, QUARANTINE_DIR)
+        logger.warning("corrupt KV file %s (%s); moving it to %s", path, reason[:_LOGGED_CHARS], QUARANTINE_DIR)
         with self._lock:
             self._corrupt += 1
             self._forget(path)
@@ -326,16 +410,41 @@ class DiskStore:
                 path.unlink()
             except OSError as e:
                 logger.warning("could not remove corrupt KV file %s: %s", path, e)
+            return
+        self._bound_quarantine(qdir)
+
+    @staticmethod
+    def _bound_quarantine(qdir: Path) -> None:
+        """Keep the newest QUARANTINE_MAX_FILES quarantined files (kept for a post-mortem, never read again)."""
+        with contextlib.suppress(OSError):
+            bad = sorted(qdir.glob("*.bad"), key=lambda p: p.stat().st_mtime_ns)
+            for old in bad[:-QUARANTINE_MAX_FILES]:
+                with contextlib.suppress(OSError):
+                    old.unlink()
+
+    def _remove_stale_temp_files(self) -> None:
+        """Delete temp files left by writers killed mid-write (dead pid, or older than a day); live writers' stay."""
+        now = time.time()
+        for tmp in self.root.glob(f"*/*/.*{SUFFIX}.*.tmp"):
+            try:
+                pid = int(tmp.name.split(".")[-3])
+            except (ValueError, IndexError):
+                continue
+            with contextlib.suppress(OSError):
+                if not _pid_alive(pid) or now - tmp.lstat().st_mtime > STALE_TEMP_S:
+                    tmp.unlink()
+                    logger.info("removed stale temp file %s", tmp)
 
     # ---- LRU bookkeeping (callers hold self._lock) ------------------------------------
 
     def _scan(self) -> None:
+        self._remove_stale_temp_files()
         found = []
         for p in self.root.glob(f"*/*/*{SUFFIX}"):
             if p.relative_to(self.root).parts[0].startswith("."):
                 continue
             with contextlib.suppress(OSError):
-                st = p.stat()
+                st = p.lstat()
                 found.append((st.st_mtime_ns, str(p), p, st.st_size))
         for _, _, p, size in sorted(found):
             self._index[p] = size
@@ -370,3 +479,64 @@ class DiskStore:
             with contextlib.suppress(FileNotFoundError):
                 oldest.unlink()
             logger.debug("evicted %s from disk cache", oldest)
+
+
+class DiskReader:
+    """One stored entry, opened once per request: header and token ids checked at open, each layer crc-checked
+    as it is read. A bad layer quarantines the file and raises LayerReadError (the caller recomputes the chunk)."""
+
+    tier = "disk"
+
+    def __init__(self, store: DiskStore, key: KVKey, path: Path, sig: tuple[int, ...], handle, meta: dict,
+                 token_ids: torch.Tensor) -> None:
+        self.store = store
+        self.key = key
+        self.path = path
+        self._sig = sig
+        self._handle = handle
+        self._meta = meta
+        self.token_ids = token_ids
+        self.num_layers = int(meta["num_layers"])
+        itemsize = torch.empty(0, dtype=_DTYPES[meta["dtype"]]).element_size()
+        heads, n = int(meta["num_kv_heads"]), int(meta["num_tokens"])
+        self.layer_nbytes = n * heads * (int(meta["head_dim"]) + int(meta["v_head_dim"])) * itemsize
+        self.positions_start = int(meta["positions_start"])
+        self.bytes_read = 0
+        self._read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+        return int(self.token_ids.shape[0])
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read and validate one layer."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers in {self.path}")
+        with self._lock:
+            if self._handle is None:
+                raise LayerReadError(self.key, layer, "reader closed")
+            try:
+                loaded = self.store._layer(self._handle, self._meta, layer)
+            except Exception as e:  # noqa: BLE001 - a bad layer is a bad file
+                self.store._quarantine(self.path, self._sig, f"layer {layer}: {type(e).__name__}: {e}")
+                raise LayerReadError(self.key, layer, type(e).__name__) from e
+            self._read[layer] = loaded
+            self.bytes_read += self.layer_nbytes
+        return loaded
+
+    def complete(self) -> ChunkKV | None:
+        """The whole entry (to promote into a faster tier), reading the layers not read yet; None if one fails."""
+        try:
+            layers = [self._read.get(i) or self.layer(i) for i in range(self.num_layers)]
+        except LayerReadError:
+            return None
+        return ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids, self.positions_start)
+
+    def close(self) -> None:
+        """Release the file handle."""
+        with self._lock:
+            if self._handle is not None:
+                self._handle.__exit__(None, None, None)
+                self._handle = None

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Callable
 
+import torch
+
 from ..errors import ConfigError
-from .base import ChunkKV, KVKey
+from .base import ChunkKV, KVKey, ResidentReader
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,21 @@ class MemoryStore:
             self._entries.move_to_end(key)
             self._hits += 1
             return kv
+
+    def reader(self, key: KVKey) -> ResidentReader | None:
+        """A reader over the held entry, or None."""
+        kv = self.get(key)
+        return ResidentReader(kv, key, "memory") if kv is not None else None
+
+    def token_ids(self, key: KVKey) -> torch.Tensor | None:
+        """The held entry's token ids (recency unchanged), or None."""
+        with self._lock:
+            kv = self._entries.get(key)
+        return kv.token_ids if kv is not None else None
+
+    def tiers(self) -> dict[str, Path | None]:
+        """One tier, in process memory."""
+        return {"memory": None}
 
     def put(self, key: KVKey, kv: ChunkKV) -> None:
         """Store or replace an entry, evicting least-recently-used ones to stay in budget."""

@@ -4,12 +4,49 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
-from .base import ChunkKV, KVKey
-from .disk import DiskStore
+import torch
+
+from ..errors import KVWriteError
+from .base import ChunkKV, KVKey, LayerReader
+from .disk import DiskReader, DiskStore
 from .memory import MemoryStore
 
 logger = logging.getLogger(__name__)
+
+
+class PromotingReader:
+    """A disk reader that, when its request ends, moves the whole entry into the memory tier (LRU)."""
+
+    def __init__(self, reader: DiskReader, memory: MemoryStore) -> None:
+        self._reader = reader
+        self._memory = memory
+        self.key, self.tier, self.token_ids = reader.key, reader.tier, reader.token_ids
+        self.num_layers, self.layer_nbytes = reader.num_layers, reader.layer_nbytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+        return self._reader.num_tokens
+
+    @property
+    def bytes_read(self) -> int:
+        """Stored bytes read by the request (promotion reads are not counted)."""
+        return self._reader.bytes_read
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer from disk."""
+        return self._reader.layer(layer)
+
+    def close(self) -> None:
+        """Promote the entry (reading the layers the request skipped), then release the file."""
+        read = self._reader.bytes_read
+        kv = self._reader.complete()
+        self._reader.bytes_read = read
+        self._reader.close()
+        if kv is not None:
+            self._memory.put(self._reader.key, kv)
 
 
 class TieredStore:
@@ -31,23 +68,30 @@ class TieredStore:
             kv = self.disk.get(key)
             if kv is not None:
                 self.memory.put(key, kv)
-        with self._lock:
-            if kv is None:
-                self._misses += 1
-            else:
-                self._hits += 1
+        self._count(kv is not None)
         return kv
 
+    def reader(self, key: KVKey) -> LayerReader | None:
+        """From memory, else a disk reader that promotes the entry when the request ends, else None."""
+        reader: LayerReader | None = self.memory.reader(key)
+        if reader is None:
+            disk = self.disk.reader(key)
+            reader = PromotingReader(disk, self.memory) if disk is not None else None
+        self._count(reader is not None)
+        return reader
+
+    def token_ids(self, key: KVKey) -> torch.Tensor | None:
+        """From whichever tier holds the entry."""
+        ids = self.memory.token_ids(key)
+        return ids if ids is not None else self.disk.token_ids(key)
+
     def put(self, key: KVKey, kv: ChunkKV) -> None:
-        """Write to disk and memory; a failed disk write only logs (the memory copy stands)."""
-        try:
-            self.disk.put(key, kv)
-        except OSError as e:
-            logger.warning("disk write of %s failed: %s", key, e)
+        """Write to memory and disk; a failed disk write raises KVWriteError (the memory copy stands)."""
         self.memory.put(key, kv)
+        self.disk.put(key, kv)
 
     def contains(self, key: KVKey) -> bool:
-        """Whether either tier has the key."""
+        """Whether either tier has the key (the disk's entry validated)."""
         return self.memory.contains(key) or self.disk.contains(key)
 
     def delete(self, key: KVKey) -> bool:
@@ -55,6 +99,10 @@ class TieredStore:
         in_memory = self.memory.delete(key)
         on_disk = self.disk.delete(key)
         return in_memory or on_disk
+
+    def tiers(self) -> dict[str, Path | None]:
+        """Memory, then disk."""
+        return {**self.memory.tiers(), **self.disk.tiers()}
 
     def stats(self) -> dict:
         """Overall hits/misses plus each tier's stats."""
@@ -68,7 +116,17 @@ class TieredStore:
             "disk": self.disk.stats(),
         }
 
+    def _count(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self._hits += 1
+            else:
+                self._misses += 1
+
     def _spill(self, key: KVKey, kv: ChunkKV) -> None:
         if not self.disk.contains(key):
             logger.debug("spilling %s from memory to disk", key)
-            self.disk.put(key, kv)
+            try:
+                self.disk.put(key, kv)
+            except KVWriteError as e:
+                logger.warning("could not spill %s to disk: %s", key, e)

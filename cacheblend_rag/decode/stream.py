@@ -1,0 +1,82 @@
+"""Streaming: decode on a worker thread, yield text pieces, cut at stop strings; stop decoding when the consumer
+stops iterating (the worker is told to stop and joined, so no thread outlives the stream)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from .generate import SamplingOptions, cut_at_stop, decode
+
+
+def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], model, tokenizer,
+                  sampling: SamplingOptions, stats: dict | None = None) -> Iterator[str]:
+    """Yield the text pieces of the answer to the prefill that `open_prefill()` enters (on the worker thread).
+
+    `stats`, if given, gets the prefill's stats as soon as the first piece can arrive, then `num_generated` and
+    `timing.decode_s`. Closing the generator early (a `break`, a disconnected client) stops decoding at the next
+    token and waits for the worker.
+    """
+    from transformers import TextIteratorStreamer
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    errors: queue.Queue[BaseException] = queue.Queue()
+    cancel = threading.Event()
+    decoded = threading.Event()  # set once the stats are final (or an error is queued)
+
+    def work() -> None:  # prefill and decode on one thread, holding the model's lock throughout
+        try:
+            with open_prefill() as pre:
+                if stats is not None:  # readable as soon as the first piece arrives
+                    stats.update(pre.stats.as_dict())
+                if cancel.is_set():
+                    streamer.end()
+                    return
+                started = time.perf_counter()
+                new_ids = decode(model, tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
+                if stats is not None:
+                    stats["num_generated"] = int(new_ids.numel())
+                    stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)
+                decoded.set()  # the consumer may finish while the holes are stored
+        except BaseException as e:  # surfaced to the consumer below
+            errors.put(e)
+            streamer.end()
+        finally:
+            decoded.set()
+
+    worker = threading.Thread(target=work, daemon=True, name="cacheblend-decode")
+    worker.start()
+    try:
+        yield from stop_filtered(streamer, sampling.stop)
+        cancel.set()  # a stop string may end the text before decoding ends
+        decoded.wait()  # the streamer ends before decode returns: wait for the final stats (and any error)
+        if not errors.empty():
+            raise errors.get()
+    finally:
+        cancel.set()  # a consumer that stopped early: decoding stops at the next token
+        worker.join()  # the streamer's queue is unbounded: the worker never waits on us
+
+
+def stop_filtered(pieces: Iterable[str], stop: tuple[str, ...]) -> Iterator[str]:
+    """Pass text pieces through, holding back enough to cut at a stop string that spans pieces."""
+    if not stop:
+        yield from (p for p in pieces if p)
+        return
+    hold = max(len(s) for s in stop) - 1
+    buffer = ""
+    for piece in pieces:
+        buffer += piece
+        text, found = cut_at_stop(buffer, stop)
+        if found:
+            if text:
+                yield text
+            return
+        if len(buffer) > hold:
+            out, buffer = buffer[: len(buffer) - hold], buffer[len(buffer) - hold :]
+            yield out
+    if buffer:
+        yield buffer

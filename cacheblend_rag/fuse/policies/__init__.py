@@ -1,0 +1,60 @@
+"""The registry of token-selection policies: method name → policy class. Engine, CLI and bench all read it.
+
+To add a policy: write `fuse/policies/<name>.py` (a frozen dataclass with `name`, `place` and `start`; see
+`fuse.policy`) and add one line to `POLICIES` below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...errors import ConfigError
+from ..policy import Policy
+from .cacheblend import CacheBlend, HKVDSelection, check_ratio
+from .full_prefill import FullPrefill
+from .full_reuse import FullReuse
+from .prefix_cache import PrefixCache
+
+POLICIES: dict[str, type] = {
+    FullPrefill.name: FullPrefill,
+    PrefixCache.name: PrefixCache,
+    FullReuse.name: FullReuse,
+    CacheBlend.name: CacheBlend,
+}
+METHODS: tuple[str, ...] = tuple(POLICIES)
+
+__all__ = ["METHODS", "POLICIES", "CacheBlend", "FullPrefill", "FullReuse", "HKVDSelection", "Policy", "PrefixCache",
+           "make_policy", "option_names", "takes_ratio"]
+
+
+def option_names(policy_cls: type) -> tuple[str, ...]:
+    """The hyper-parameters a policy class takes."""
+    return tuple(f.name for f in dataclasses.fields(policy_cls) if f.init)
+
+
+def takes_ratio(policy: object) -> bool:
+    """Whether a policy (class or instance) has a `recompute_ratio` (and so accepts `"auto"`)."""
+    cls = policy if isinstance(policy, type) else type(policy)
+    return "recompute_ratio" in option_names(cls)
+
+
+def make_policy(method: "str | Policy", recompute_ratio: float | None = None, **options) -> Policy:
+    """The policy for a method name (or a policy object, returned as is), with its options checked by name."""
+    if not isinstance(method, str):
+        if not hasattr(method, "place") or not hasattr(method, "start"):
+            raise ConfigError(f"method must be one of {', '.join(METHODS)} or a policy object, got {method!r}")
+        if recompute_ratio is not None or options:
+            raise ConfigError("pass options to the policy object itself, not beside it")
+        return method
+    cls = POLICIES.get(method)
+    if cls is None:
+        raise ConfigError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    if recompute_ratio is not None:
+        check_ratio(recompute_ratio)  # checked even where the method has no use for it
+        if takes_ratio(cls):
+            options["recompute_ratio"] = recompute_ratio
+    unknown = sorted(set(options) - set(option_names(cls)))
+    if unknown:
+        known = ", ".join(option_names(cls)) or "none"
+        raise ConfigError(f"method {method!r} has no option {', '.join(map(repr, unknown))}; its options: {known}")
+    return cls(**options)

@@ -1,0 +1,138 @@
+"""CacheBlend (§4): reuse every chunk's KV and recompute the reused rows whose KV deviates most (HKVD)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ...errors import ConfigError
+from ...models.adapter import LlamaFamilyAdapter
+from .. import placement
+from ..hkvd import DEVIATIONS, SELECTIONS, WEIGHTS, chunk_heads, hkvd_score, top_rows
+from ..loop import LayerView
+from ..policy import FusionRequest, RowSelection
+from ..sequence import FusedSequence
+
+
+def check_ratio(value: object, name: str = "recompute_ratio") -> float:
+    """A share within [0, 1] (not a bool, not nan), or a ConfigError that says so."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 <= value <= 1:
+        raise ConfigError(f"{name} must be a number within [0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class CacheBlend:
+    """Selective recompute of the reused tokens with the highest KV deviation (HKVD), CacheBlend §4.
+
+    Every row is computed up to the last check layer, so those layers' KV is fresh
+    everywhere. At each check layer the deviation of each reused row's fresh K/V from
+    its cached K/V is measured, weighted by the attention the question gives each token
+    there (a deviation the question does not read cannot move the answer; `weight="none"`
+    is the paper's plain HKVD). After the last check layer the top
+    `candidate_factor × recompute_ratio` of reused rows stay active as candidates; at
+    `filter_layer` their deviation is measured again, weighted alike, and only the top
+    `recompute_ratio` stay for the remaining layers (gradual filtering, §4.3: layer-1
+    deviation predicts deep layers poorly on small models). Rows without cache are always
+    active; the rest keep their cached KV. `candidate_factor=1` selects once, at the
+    check layer. With recompute_ratio=1 this is full prefill (when any row is approximate);
+    with 0, full reuse (no check layer is run); with no approximate rows at all (no chunks,
+    or only the exact first chunk), at any ratio, it reuses the exact ones as a prefix cache would.
+    """
+
+    recompute_ratio: float = 0.15  # share of reused rows recomputed from `filter_layer` on
+    check_layers: tuple[int, ...] = (1,)
+    candidate_factor: float = 2.5  # candidates kept at the check layer, × recompute_ratio (1: no gradual filtering)
+    filter_layer: int = 3  # where the candidates are narrowed to recompute_ratio
+    deviation: str = "k"  # measure the deviation on "k", "v" or both ("kv"); K measured best here (docs/benchmarks.md)
+    selection: str = "global"  # top tokens over all chunks, "per_chunk" (the same ratio in each), "random" (a control)
+    chunk_head_tokens: int = 0  # always recompute the first n tokens of each reused chunk
+    weight: str = "attention"  # weight deviations by the question's attention to each token ("none": plain HKVD)
+    name: ClassVar[str] = "cacheblend"
+
+    def __post_init__(self) -> None:
+        check_ratio(self.recompute_ratio)
+        layers = (self.check_layers,) if isinstance(self.check_layers, int) else self.check_layers
+        if (not isinstance(layers, (tuple, list)) or not layers
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers)):
+            raise ConfigError(f"check_layers must be a layer index or a non-empty list of them (≥ 0), "
+                              f"got {self.check_layers!r}")
+        object.__setattr__(self, "check_layers", tuple(layers))
+        if self.deviation not in DEVIATIONS:
+            raise ConfigError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
+        if self.weight not in WEIGHTS:
+            raise ConfigError(f"weight must be one of {WEIGHTS}, got {self.weight!r}")
+        if self.selection not in SELECTIONS:
+            raise ConfigError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        factor = self.candidate_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
+            raise ConfigError(f"candidate_factor must be a number ≥ 1, got {factor!r}")
+        for name in ("filter_layer", "chunk_head_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer ≥ 0, got {value!r}")
+        if factor > 1.0 and self.filter_layer <= max(self.check_layers):
+            raise ConfigError(f"filter_layer ({self.filter_layer}) must come after the check layers {self.check_layers}")
+
+    @property
+    def candidate_ratio(self) -> float:
+        """Share of reused rows kept at the check layer (narrowed to recompute_ratio at filter_layer)."""
+        return min(1.0, self.candidate_factor * self.recompute_ratio)
+
+    def place(self, cache, request: FusionRequest) -> placement.Placements:
+        """The exact prefix and every stored chunk."""
+        return placement.every_chunk(cache, request)
+
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+        """Every row up to the last check layer (or none reused, when the budget is 0 or all of them)."""
+        reused = seq.reused
+        num_reused = int(reused.sum())
+        budget = round(self.recompute_ratio * num_reused)
+        if num_reused and budget >= num_reused:
+            return RowSelection(torch.ones_like(seq.cached))
+        heads = chunk_heads(seq, self.chunk_head_tokens)
+        if budget == 0:  # nothing to select (or nothing approximate at all): full reuse (plus chunk heads), no check
+            return RowSelection(~seq.cached | (heads & reused))
+        last_check = max(self.check_layers)
+        if last_check >= adapter.num_layers:
+            raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
+        filters = self.candidate_factor > 1.0 and self.filter_layer < adapter.num_layers
+        # every row whose KV is not exact already, up to the last check layer
+        return HKVDSelection(~seq.exact, last_check + 1, policy=self, heads=heads,
+                             first_ratio=self.candidate_ratio if filters else self.recompute_ratio,
+                             filter_layer=self.filter_layer if filters else None)
+
+
+@dataclass
+class HKVDSelection(RowSelection):
+    """One CacheBlend request: scores reused rows at the check layers, keeps candidates, narrows at the filter layer."""
+
+    policy: CacheBlend | None = None
+    heads: torch.Tensor | None = None  # (N,) rows always recomputed (chunk heads)
+    first_ratio: float = 0.0  # share of reused rows kept after the last check layer
+    filter_layer: int | None = None  # where they are narrowed to the policy's recompute_ratio
+    score: torch.Tensor | None = None
+
+    def keep(self, view: LayerView) -> torch.Tensor | None:
+        """Accumulate the deviation at check layers; select after the last; narrow at the filter layer."""
+        policy, seq, layer = self.policy, view.seq, view.layer
+        if layer in policy.check_layers:  # every row but the exact ones is active here
+            score = hkvd_score(view, policy.deviation, policy.weight)
+            self.score = score if self.score is None else self.score + score
+            if layer + 1 == self.full_layers:
+                return self._kept(top_rows(self.score, seq, self.first_ratio, policy.selection), view)
+            return None
+        if layer != self.filter_layer:
+            return None
+        # the same score over the candidates only: deviation at this layer × the question's attention here
+        score = torch.full(seq.cached.shape, -math.inf, device=view.rows.device)
+        score[view.rows] = hkvd_score(view, policy.deviation, policy.weight)[view.rows]
+        return self._kept(top_rows(score, seq, policy.recompute_ratio, policy.selection), view)
+
+    def _kept(self, selected: torch.Tensor, view: LayerView) -> torch.Tensor:
+        """Over the view's rows: the uncached rows, and the reused rows selected or always recomputed."""
+        seq = view.seq
+        return (~seq.cached | ((selected | self.heads) & seq.reused))[view.rows]

@@ -1,0 +1,28 @@
+"""Full prefill: every row, every layer; the reference every other policy is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ...models.adapter import LlamaFamilyAdapter
+from .. import placement
+from ..policy import FusionRequest, RowSelection
+from ..sequence import FusedSequence
+
+
+@dataclass(frozen=True)
+class FullPrefill:
+    """Every row, every layer: the reference."""
+
+    name: ClassVar[str] = "full_prefill"
+
+    def place(self, cache, request: FusionRequest) -> placement.Placements:
+        """Nothing from the cache."""
+        return placement.nothing(cache, request)
+
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+        """All rows."""
+        return RowSelection(torch.ones_like(seq.cached))

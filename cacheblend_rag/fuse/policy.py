@@ -1,0 +1,62 @@
+"""What a policy is: where its cached KV comes from (`place`) and which rows each layer computes (`start`).
+
+    policy.place(cache, request) -> Placements      which cached KV goes where; hits, misses, holes to store
+    policy.start(adapter, seq)   -> Selection        per request: rows active at layer 0, `keep(view)` per layer
+
+The one layer loop (`fuse.loop.run_layers`) drives the selection; no policy runs a loop of its own.
+A new policy is one module in `fuse/policies/` plus one line in its registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+from ..ingest.chunks import Chunk
+from .layout import Layout
+from .loop import LayerView, Selection
+
+if TYPE_CHECKING:  # typing only: the cache imports the loop, not the policies
+    from ..models.adapter import LlamaFamilyAdapter
+    from .chunk_cache import ChunkCache
+    from .placement import Placements
+    from .sequence import FusedSequence
+
+
+@dataclass(frozen=True)
+class FusionRequest:
+    """One request's chunks and where its layout put them."""
+
+    chunks: list[Chunk]
+    layout: Layout
+
+    @property
+    def prefix_ids(self) -> list[int]:
+        """Token ids before the first chunk (the system prefix)."""
+        return self.layout.token_ids[: self.layout.prefix_len].tolist()
+
+
+class Policy(Protocol):
+    """A token-selection method: a frozen dataclass of hyper-parameters."""
+
+    name: ClassVar[str]
+
+    def place(self, cache: "ChunkCache", request: FusionRequest) -> "Placements":
+        """The cached KV this method reuses, and the chunks it found or missed."""
+
+    def start(self, adapter: "LlamaFamilyAdapter", seq: "FusedSequence") -> Selection:
+        """This request's selection: active rows at layer 0, narrowed layer by layer."""
+
+
+@dataclass
+class RowSelection:
+    """A selection that never narrows: the rows in `active` go through every layer."""
+
+    active: torch.Tensor  # (N,) bool
+    full_layers: int = 0
+
+    def keep(self, view: LayerView) -> torch.Tensor | None:
+        """Keep every active row."""
+        return None

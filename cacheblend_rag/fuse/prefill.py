@@ -1,0 +1,206 @@
+"""One fused prefill, start to end: place cached KV (the policy), run the layer loop, read the logits, stats.
+
+    placements = policy.place(cache, request)        which stored KV goes where (readers opened once)
+    seq        = cache.sequence(layout, placements)  rows, cached / exact / reused masks, a per-layer loader
+    selection  = policy.start(adapter, seq)
+    result     = run_layers(adapter, seq, selection) the one layer loop
+    logits     = adapter.logits(last row)            → first token; TTFT ends here
+    placements.close()                               readers released (a tier may promote what was read)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CacheFormatError, ConfigError
+from ..ingest.chunks import Chunk
+from ..store import LayerReadError
+from .chunk_cache import ChunkCache
+from .loop import LoopResult, run_layers
+from .placement import Placements
+from .policy import FusionRequest, Policy
+from .sequence import FusedSequence
+
+logger = logging.getLogger(__name__)
+
+_READ_ATTEMPTS = 3  # a stored layer that fails to read turns its chunk into a hole; then try again
+
+
+@dataclass
+class RequestStats(Mapping):
+    """What one request did: rows reused and recomputed, chunk hits, bytes loaded, time per stage.
+
+    Readable as a mapping (`stats["chunk_hits"]`) and as JSON-ready `as_dict()`; optional fields (None) are
+    left out of both.
+    """
+
+    method: str
+    num_tokens: int
+    num_reused: int  # rows whose cached KV was approximate (chunks reused out of context)
+    num_exact_cached: int  # rows whose cached KV was exact (a true prefix)
+    num_recomputed: int  # reused rows recomputed through the last layer
+    num_hole_tokens: int  # rows of chunks that were not stored (computed in place)
+    num_computed: int  # other uncached rows (template, question)
+    recompute_ratio_effective: float  # share of reused rows computed, averaged over layers
+    chunk_hits: list[str]
+    chunk_misses: list[str]
+    rows_per_layer: list[int]
+    attention_pairs_per_layer: list[int]  # query-key pairs each layer attended
+    layer_s: list[float]  # seconds per layer, KV waits included
+    ttft_s: float
+    timing: dict[str, float]  # kv_load_s, kv_wait_s, check_s, layers_s (+ decode_s after decoding)
+    kv_bytes_loaded: int  # stored bytes actually read
+    kv_bytes_by_tier: dict[str, int]
+    recompute_ratio: float | None = None  # the ratio the policy ran at (the controller's with "auto")
+    controller: dict | None = None  # the loading controller's decision, with recompute_ratio="auto"
+    num_generated: int | None = None  # after decoding
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain, JSON-ready dict (optional fields that are None left out)."""
+        d = dataclasses.asdict(self)
+        return {k: v for k, v in d.items() if v is not None}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.as_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.as_dict())
+
+    def __len__(self) -> int:
+        return len(self.as_dict())
+
+
+@dataclass
+class Prefill:
+    """A fused prefill: next-token logits after the prompt, the fused KV for decoding, and stats."""
+
+    logits: torch.Tensor  # (vocab,) float32
+    stats: RequestStats
+    token_ids: torch.Tensor  # (N,)
+    keys: list[torch.Tensor] = field(repr=False)  # per layer (N, kv_heads, d), after RoPE
+    values: list[torch.Tensor] = field(repr=False)
+    chunk_ids: list[str] = field(default_factory=list)
+    unstored_holes: list[Chunk] = field(default_factory=list, repr=False)  # holes left to store (store_holes=False)
+
+
+AutoRatio = Callable[[FusedSequence, Placements], Any]  # → a controller decision with .recompute_ratio, .as_dict()
+
+
+@dataclass
+class _Run:
+    seq: FusedSequence
+    result: LoopResult
+    logits: torch.Tensor
+    placed: Placements
+    timing: dict[str, float]
+    policy: Policy
+    decision: Any = None
+
+
+def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, store_holes: bool = True,
+                  auto_ratio: AutoRatio | None = None) -> Prefill:
+    """Fused prefill of `request` under `policy`; holes are stored after the logits unless `store_holes=False`.
+
+    With `auto_ratio`, the policy's recompute_ratio is chosen per request from what was placed (the loading
+    controller). A stored layer that fails to read mid-request drops that entry and the request runs again.
+    """
+    started = time.perf_counter()
+    if auto_ratio is not None and "recompute_ratio" not in {f.name for f in dataclasses.fields(policy)}:
+        raise ConfigError(f'recompute_ratio="auto" needs a method with a recompute ratio, not {policy.name!r}')
+    for _ in range(_READ_ATTEMPTS):
+        try:
+            run = _run(cache, policy, request, auto_ratio)
+            break
+        except LayerReadError as e:
+            logger.warning("%s; retrying with it as a hole", e)
+            if e.key is not None:
+                cache.store.delete(e.key)
+    else:
+        raise CacheFormatError("stored KV kept failing to read; giving up on this request")
+    ttft = time.perf_counter() - started
+    by_tier: dict[str, int] = {}
+    for p in run.placed.placements:
+        by_tier[p.kv.tier] = by_tier.get(p.kv.tier, 0) + p.kv.bytes_read
+    run.placed.close()  # after the first token: promotion reads the layers the loop skipped
+    holes = run.placed.holes
+    if store_holes:
+        store_chunks(cache, holes)
+        holes = []
+    stats = _stats(run, request.chunks, ttft, by_tier)
+    return Prefill(run.logits, stats, request.layout.token_ids, run.result.keys, run.result.values,
+                   [c.chunk_id for c in request.chunks], holes)
+
+
+def store_chunks(cache: ChunkCache, chunks: list[Chunk]) -> None:
+    """Compute and store the KV of chunks that were holes, so the next request hits (best effort: logged)."""
+    for chunk in chunks:
+        cache.compute_and_store(chunk, best_effort=True)
+
+
+def _run(cache: ChunkCache, policy: Policy, request: FusionRequest, auto_ratio: AutoRatio | None) -> _Run:
+    adapter, layout = cache.adapter, request.layout
+    load_started = time.perf_counter()
+    placed = policy.place(cache, request)
+    try:
+        seq = cache.sequence(layout.token_ids, layout.segment_of_row, placed.placements)
+        kv_open_s = time.perf_counter() - load_started
+        decision = None
+        if auto_ratio is not None:  # match the recompute of a layer to the load of the next
+            decision = auto_ratio(seq, placed)
+            policy = dataclasses.replace(policy, recompute_ratio=decision.recompute_ratio)
+        try:
+            layers_started = time.perf_counter()
+            selection = policy.start(adapter, seq)
+            result = run_layers(adapter, seq, selection, num_output_rows=1)
+            if result.output_rows is None or int(result.output_rows[-1]) != seq.num_rows - 1:
+                raise RuntimeError("the last prompt row was not computed; a policy dropped it")
+            logits = adapter.logits(result.hidden[-1:])[0].float()
+            layers_s = time.perf_counter() - layers_started
+        finally:
+            seq.close()
+    except BaseException:
+        placed.close()
+        raise
+    check_s = sum(result.layer_s[:selection.full_layers])  # the layers every row went through
+    timing = {"kv_load_s": kv_open_s + seq.loader.load_s, "kv_wait_s": seq.loader.wait_s,
+              "check_s": check_s, "layers_s": layers_s - check_s}
+    return _Run(seq, result, logits, placed, timing, policy, decision)
+
+
+def _stats(run: _Run, chunks: list[Chunk], ttft: float, by_tier: dict[str, int]) -> RequestStats:
+    seq, result, placed = run.seq, run.result, run.placed
+    reused = seq.reused
+    num_reused = int(reused.sum())
+    num_uncached = int((~seq.cached).sum())
+    misses = set(placed.misses)
+    hole_rows = sum(c.num_tokens for c in chunks if c.chunk_id in misses)
+    recomputed = result.reused_rows_per_layer
+    ratio = getattr(run.policy, "recompute_ratio", None)
+    return RequestStats(
+        method=run.policy.name,
+        num_tokens=seq.num_rows,
+        num_reused=num_reused,
+        num_exact_cached=int(seq.exact.sum()),
+        num_recomputed=int(reused[result.rows].sum()),
+        num_hole_tokens=hole_rows,
+        num_computed=num_uncached - hole_rows,
+        recompute_ratio_effective=(sum(recomputed) / (len(recomputed) * num_reused)) if num_reused else 0.0,
+        chunk_hits=list(placed.hits),
+        chunk_misses=list(placed.misses),
+        rows_per_layer=result.rows_per_layer,
+        attention_pairs_per_layer=result.pairs_per_layer,
+        layer_s=result.layer_s,
+        ttft_s=ttft,
+        timing=run.timing,
+        kv_bytes_loaded=sum(by_tier.values()),
+        kv_bytes_by_tier=by_tier,
+        recompute_ratio=ratio,
+        controller=run.decision.as_dict() if run.decision is not None else None,
+    )

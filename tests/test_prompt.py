@@ -1,0 +1,112 @@
+"""Any prompt reuses the KV of the stored chunks it carries: the user's own template, chat messages, another
+process's ingestion; what was found is exact where it must be."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cacheblend_rag import CacheBlendEngine, ConfigError
+from cacheblend_rag.ingest.chunks import chunk_id, normalize_text
+from cacheblend_rag.ingest.index import ChunkIndex, normalize_prompt
+
+from conftest import tiny_model
+
+TEXTS = [
+    "The river Lune flows through Lancaster and reaches the sea at Sunderland Point.",
+    "Marie Curie won Nobel prizes in physics and in chemistry, the first person to win two.",
+    "Basalt is an igneous rock formed from the rapid cooling of lava rich in iron.",
+]
+QUESTION = "Where does the river Lune reach the sea?"
+
+
+def users_prompt(texts: list[str]) -> str:
+    """A template of the user's own: numbering, metadata lines, their own instruction."""
+    context = "\n\n".join(f"[{i + 1}] (source: notes.txt, page {i})\n{t}   " for i, t in enumerate(texts))
+    return f"You answer from the context only.\n\nContext:\n{context}\n\nQ: {QUESTION}\nA:"
+
+
+@pytest.fixture
+def engine(tokenizer, tmp_path):
+    engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, kv_store=tmp_path / "kv")
+    engine.ingest(TEXTS, show_progress=False)
+    return engine
+
+
+def test_the_index_finds_chunks_at_any_offset_and_notices_edits(tmp_path):
+    index = ChunkIndex(tmp_path / "index.sqlite")
+    index.add((chunk_id(t), normalize_text(t)) for t in TEXTS)
+    prompt = normalize_prompt(users_prompt([TEXTS[2], TEXTS[0]]) + TEXTS[1].replace("two", "three"))
+    scan = index.scan(prompt)
+    assert [m.chunk_id for m in scan.matches] == [chunk_id(TEXTS[2]), chunk_id(TEXTS[0])]
+    assert all(prompt[m.start:m.end] == normalize_text(TEXTS[[2, 0][i]]) for i, m in enumerate(scan.matches))
+    assert scan.changed == [chunk_id(TEXTS[1])]  # its head is there, its text is not
+    again = ChunkIndex(tmp_path / "index.sqlite")  # another process
+    assert len(again) == 3 and again.scan(prompt).matches == scan.matches
+    again.remove([chunk_id(TEXTS[0])])
+    assert [m.chunk_id for m in ChunkIndex(tmp_path / "index.sqlite").scan(prompt).matches] == [chunk_id(TEXTS[2])]
+
+
+def test_a_users_own_prompt_reuses_the_chunks_it_carries(engine):
+    ids = [chunk_id(t) for t in TEXTS]
+    out = engine.generate_prompt(users_prompt(TEXTS), max_new_tokens=3)
+    assert out.stats["chunk_hits"] == ids and out.stats["chunk_misses"] == []
+    assert out.stats["num_reused"] > sum(len(engine.tokenizer(t)["input_ids"]) for t in TEXTS) - 10
+    assert len(out.token_ids) == 3
+
+
+def test_prompt_prefill_is_exact_at_ratio_one_and_full_reuse_at_zero(engine):
+    prompt = users_prompt(TEXTS)
+    full = engine.prefill_prompt(prompt, method="full_prefill")
+    with torch.no_grad():
+        expected = engine.model(full.token_ids[None]).logits[0, -1]
+    torch.testing.assert_close(full.logits, expected, atol=1e-4, rtol=1e-4)
+    one = engine.prefill_prompt(prompt, recompute_ratio=1.0)
+    assert torch.equal(one.token_ids, full.token_ids)
+    assert float((one.logits - full.logits).abs().max()) <= 1e-4
+    zero = engine.prefill_prompt(prompt, recompute_ratio=0.0)
+    reuse = engine.prefill_prompt(prompt, method="full_reuse")
+    assert torch.equal(zero.logits, reuse.logits) and float((reuse.logits - full.logits).abs().max()) > 1e-3
+
+
+def test_chat_messages_with_a_users_system_prompt(engine):
+    messages = [{"role": "system", "content": "Be brief. Use the documents."},
+                {"role": "user", "content": "Documents:\n" + "\n---\n".join(TEXTS) + f"\n\n{QUESTION}"}]
+    pieces: list[str] = []
+    stats: dict = {}
+    for piece in engine.stream_prompt(messages, max_new_tokens=4, stats=stats):
+        pieces.append(piece)
+    assert stats["chunk_hits"] == [chunk_id(t) for t in TEXTS] and stats["num_generated"] >= 1
+    with pytest.raises(ConfigError, match="messages"):
+        engine.generate_prompt([{"role": "user"}])
+    with pytest.raises(ConfigError, match="prompt is empty"):
+        engine.generate_prompt("  ")
+
+
+def test_another_process_finds_the_chunks_through_the_stored_index(engine, tmp_path):
+    other = CacheBlendEngine(engine.model, engine.tokenizer, kv_store=tmp_path / "kv")
+    pre = other.prefill_prompt(users_prompt(TEXTS[:2]), method="full_reuse")
+    assert pre.stats["chunk_hits"] == [chunk_id(t) for t in TEXTS[:2]]
+
+
+def test_a_matched_chunk_whose_kv_is_missing_is_computed_then_stored(engine):
+    engine.drop_kv([chunk_id(TEXTS[0])])
+    engine.index.add([(chunk_id(TEXTS[0]), normalize_text(TEXTS[0]))])  # known text, no KV
+    first = engine.prefill_prompt(users_prompt(TEXTS))
+    assert first.stats["chunk_misses"] == [chunk_id(TEXTS[0])]
+    assert engine.prefill_prompt(users_prompt(TEXTS)).stats["chunk_misses"] == []
+
+
+def test_a_long_prompt_with_no_stored_chunk_warns_once(engine, caplog, monkeypatch):
+    import cacheblend_rag.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_warned_no_match", False)
+    edited = TEXTS[0].replace("Sunderland Point", "Sunderland Pier")  # edited after its first 48 characters
+    prompt = users_prompt([edited] + ["Some unrelated context of the user's own. " * 10] * 4)
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.engine"):
+        engine.prefill_prompt(prompt, method="full_reuse")
+        engine.prefill_prompt(prompt, method="full_reuse")
+    warnings = [r for r in caplog.records if "no stored chunk" in r.getMessage()]
+    assert len(warnings) == 1 and "differs" in warnings[0].getMessage()
