@@ -189,7 +189,8 @@ def _profile(args: argparse.Namespace) -> int:
 
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
                                               dtype=args.dtype, home=args.home)
-    compute, tiers = load_or_measure(engine, settings.kv_dir(args.home), remeasure=args.remeasure, home=args.home)
+    compute, tiers = load_or_measure(engine, settings.kv_dir(args.home), remeasure=args.remeasure, home=args.home,
+                                     strict=True)  # a tier that cannot be measured is an error here
     if args.json:
         print(json.dumps({"compute": asdict(compute), "tiers": {k: asdict(v) for k, v in tiers.items()},
                           "path": str(profile_path(engine, args.home))}))

@@ -33,3 +33,7 @@ class CacheFormatError(CacheBlendError):
 
 class MissingDependencyError(CacheBlendError, ImportError):
     """An optional dependency is not installed; the message names the extra."""
+
+
+class ProfileError(CacheBlendError):
+    """The compute or storage profile of the loading controller could not be measured or cached."""
