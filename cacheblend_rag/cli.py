@@ -219,7 +219,8 @@ def _add_bench(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark every method (TTFT, quality, agreement) on MuSiQue-style data",
                               description="Run full prefill, prefix cache, full reuse, CacheBlend at several ratios, "
                               "the LangChain stuff / map-reduce / map-rerank chains and HuggingFacePipeline on the "
-                              "same model and prompts; write results.json, results.md and quality_vs_ttft.png.")
+                              "same model and prompts; write results.json, results.md and quality_vs_ttft.png. "
+                              "--breakdown: where the prefill time goes; --loading: KV in memory vs on disk.")
     add_arguments(p)
     p.set_defaults(func=run_cli)
 
