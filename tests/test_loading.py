@@ -135,7 +135,7 @@ def _probes(root) -> list[str]:
 
 
 def test_disk_probe_on_a_full_filesystem_raises_a_clear_error_and_leaves_nothing(small_fs):
-    with pytest.raises(ProfileError, match=r"MiB free, the probe needs .* use another --home"):
+    with pytest.raises(ProfileError, match=r"MiB free, the probe needs .* put the KV store elsewhere \(--home\)"):
         measure_disk(small_fs)
     assert _probes(small_fs) == []
 

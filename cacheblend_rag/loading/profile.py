@@ -121,7 +121,8 @@ def measure_disk(root: str | Path, num_bytes: int = 64 * 1024**2, *, reserve_byt
         mib = 1024**2
         raise ProfileError(f"cannot measure the disk tier under {root}: {free / mib:.1f} MiB free, the probe needs "
                            f"{(num_bytes + reserve_bytes) / mib:.0f} MiB ({num_bytes / mib:.0f} MiB file + "
-                           f"{reserve_bytes / mib:.0f} MiB left free); free some space or use another --home")
+                           f"{reserve_bytes / mib:.0f} MiB left free); free some space there or put the KV store "
+                           "elsewhere (--home)")
     path = root / f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     block = 4 * 1024**2
     try:
@@ -139,13 +140,15 @@ def measure_disk(root: str | Path, num_bytes: int = 64 * 1024**2, *, reserve_byt
                 pass
         seconds = time.perf_counter() - started
     except OSError as e:
-        raise ProfileError(f"cannot measure the disk tier under {root}: {e}; free some space or use another "
-                           "--home") from e
+        raise ProfileError(f"cannot measure the disk tier under {root}: {e}; free some space there or put the "
+                           "KV store elsewhere (--home)") from e
     finally:
         try:
             path.unlink()
         except FileNotFoundError:
             pass
+        except OSError as e:  # the next measurement removes it (its process will be gone)
+            logger.warning("could not remove the disk probe %s: %s", path, e)
     return TierProfile("disk", num_bytes / max(seconds, 1e-9))
 
 
