@@ -5,7 +5,8 @@ Every module of `cacheblend_rag` (with `kernels/` and `integrations/` installed 
 module of the package becomes an edge, wherever it is written. An import runs the `__init__` of every package
 on the way to its target that the importer is not already inside, so those count as edges too; `from pkg
 import name` is an edge to `pkg.name` when that is a module, else to `pkg` (a re-export from its
-`__init__`). Imports under `if TYPE_CHECKING:` never run and are left out.
+`__init__`); `importlib.import_module("...")` with a constant name counts as an import. Imports under
+`if TYPE_CHECKING:` never run and are left out.
 """
 
 from __future__ import annotations
@@ -48,12 +49,23 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _is_import_module(node: ast.AST) -> bool:
+    """`importlib.import_module("<constant>", ...)` or `import_module("<constant>", ...)`."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Name) and func.id == "import_module") or (
+        isinstance(func, ast.Attribute) and func.attr == "import_module")
+
+
 def _import_nodes(tree: ast.AST):
-    """Import statements anywhere in the tree (functions, classes, try blocks), except under TYPE_CHECKING."""
+    """Import statements and `import_module("...")` calls anywhere in the tree (functions, classes, try
+    blocks), except under TYPE_CHECKING."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) or _is_import_module(node):
             yield node
         children = list(ast.iter_child_nodes(node))
         if isinstance(node, ast.If) and _is_type_checking(node.test):
@@ -89,6 +101,13 @@ def imports_of(module: Module, modules: dict[str, Module]) -> dict[str, int]:
                 found.setdefault(name, line)
 
     for node in _import_nodes(tree):
+        if isinstance(node, ast.Call):  # import_module(name), relative names against this module's package
+            name = node.args[0].value
+            level = len(name) - len(name.lstrip("."))
+            target = _resolve_relative(module, level, name[level:] or None) if level else name
+            if target == TOP or target.startswith(TOP + "."):
+                add(target, node.lineno)
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == TOP or alias.name.startswith(TOP + "."):
@@ -199,6 +218,8 @@ def test_checker_finds_lazy_relative_and_reexport_cycles(tmp_path, monkeypatch):
         "pkg/__init__.py": "from .user import thing\nVALUE = 1\n",
         "pkg/user.py": "from . import VALUE\nthing = VALUE\n",  # a re-export from the __init__ that imports it
         "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import Engine\n",
+        "models/__init__.py": "import importlib\ndef get(name):\n    return importlib.import_module('.adapter', __name__)\n",
+        "models/adapter.py": "from importlib import import_module\nimport_module('cacheblend_rag.models')\n",
     }, monkeypatch)
     assert graph["cacheblend_rag.engine"] == {"cacheblend_rag.loading": 1, "cacheblend_rag.loading.profile": 1}
     assert "cacheblend_rag.engine" in graph["cacheblend_rag.loading.profile"]
@@ -207,6 +228,7 @@ def test_checker_finds_lazy_relative_and_reexport_cycles(tmp_path, monkeypatch):
     assert strongly_connected(graph) == [
         ["cacheblend_rag.bench.a", "cacheblend_rag.bench.b"],
         ["cacheblend_rag.engine", "cacheblend_rag.loading.profile"],
+        ["cacheblend_rag.models", "cacheblend_rag.models.adapter"],  # a registry imported lazily, by name
         ["cacheblend_rag.pkg", "cacheblend_rag.pkg.user"],
     ]
 
