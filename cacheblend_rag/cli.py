@@ -189,7 +189,8 @@ def _profile(args: argparse.Namespace) -> int:
 
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
                                               dtype=args.dtype, home=args.home)
-    compute, tiers = load_or_measure(engine, settings.kv_dir(args.home), remeasure=args.remeasure, home=args.home)
+    compute, tiers = load_or_measure(engine, settings.kv_dir(args.home), remeasure=args.remeasure, home=args.home,
+                                     strict=True)  # a tier that cannot be measured is an error here
     if args.json:
         print(json.dumps({"compute": asdict(compute), "tiers": {k: asdict(v) for k, v in tiers.items()},
                           "path": str(profile_path(engine, args.home))}))
@@ -218,7 +219,8 @@ def _add_bench(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark every method (TTFT, quality, agreement) on MuSiQue-style data",
                               description="Run full prefill, prefix cache, full reuse, CacheBlend at several ratios, "
                               "the LangChain stuff / map-reduce / map-rerank chains and HuggingFacePipeline on the "
-                              "same model and prompts; write results.json, results.md and quality_vs_ttft.png.")
+                              "same model and prompts; write results.json, results.md and quality_vs_ttft.png. "
+                              "--breakdown: where the prefill time goes; --loading: KV in memory vs on disk.")
     add_arguments(p)
     p.set_defaults(func=run_cli)
 

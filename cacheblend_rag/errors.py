@@ -37,3 +37,7 @@ class MissingDependencyError(CacheBlendError, ImportError):
 
 class KVWriteError(CacheBlendError, OSError):
     """The KV of a chunk could not be stored (disk full, read-only folder, ...); the message says where and why."""
+
+
+class ProfileError(CacheBlendError):
+    """The compute or storage profile of the loading controller could not be measured or cached."""

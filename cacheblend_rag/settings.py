@@ -31,3 +31,12 @@ def kv_dir(home: str | os.PathLike[str] | None = None) -> Path:
 def chroma_dir(home: str | os.PathLike[str] | None = None) -> Path:
     """Default folder of the embedded Chroma database."""
     return home_dir(home) / "chroma"
+
+
+ENV_MUSIQUE = "CACHEBLEND_RAG_MUSIQUE"
+
+
+def musique_dataset() -> Path | None:
+    """The benchmark's MuSiQue-style dataset from $CACHEBLEND_RAG_MUSIQUE; None when it is not set."""
+    env = os.environ.get(ENV_MUSIQUE)
+    return Path(env).expanduser() if env else None

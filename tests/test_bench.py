@@ -8,21 +8,18 @@ import math
 import pytest
 import torch
 
-from cacheblend_rag.bench.engine_bench import (
-    MethodSpec,
-    format_table,
-    parse_methods,
-    percentile,
-    summarize,
-)
-from cacheblend_rag.bench.engine_bench import main as bench_main
+from cacheblend_rag.bench.engine_bench import summarize
+from cacheblend_rag.bench.methods import MethodSpec, parse_methods
 from cacheblend_rag.bench.metrics import (
     best_f1,
     first_token_kl,
     normalize_answer,
+    percentile,
     rouge_l,
     token_f1,
 )
+from cacheblend_rag.bench.report import format_table
+from cacheblend_rag.cli import main as cli_main
 
 
 def test_normalize_answer_follows_squad():
@@ -75,8 +72,9 @@ def one_thread():
 def test_engine_bench_end_to_end(musique, tmp_path, capsys, monkeypatch, one_thread):
     from conftest import musique_path
 
-    bench_main([str(musique_path()), "--limit", "1", "--chunks", "2", "--methods", "full_prefill,cacheblend@0.15",
-                "--max-new-tokens", "4", "--dtype", "float32", "--out", str(tmp_path)])
+    assert cli_main(["bench", "--data", str(musique_path()), "--limit", "1", "--chunks", "2", "--methods",
+                     "full_prefill,cacheblend@0.15", "--max-new-tokens", "4", "--dtype", "float32",
+                     "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "| full_prefill |" in printed and "| cacheblend@0.15 |" in printed
     result = json.loads((tmp_path / "results.json").read_text())
@@ -169,18 +167,19 @@ def test_plots_and_markdown(tmp_path):
 
 
 def test_resolve_dataset_errors(tmp_path, monkeypatch):
+    from cacheblend_rag import settings
     from cacheblend_rag.bench import datasets
-    from cacheblend_rag.bench.command import resolve_dataset
+    from cacheblend_rag.bench.datasets import resolve_dataset
 
     with pytest.raises(FileNotFoundError, match="not found"):
         resolve_dataset(str(tmp_path / "missing.json"))
-    monkeypatch.delenv(datasets.DATASET_ENV, raising=False)
-    monkeypatch.setattr(datasets, "DEFAULT_DATASET", tmp_path / "none.json")
+    monkeypatch.delenv(settings.ENV_MUSIQUE, raising=False)
+    monkeypatch.chdir(tmp_path)  # no ../shared/data/musique_dev.json from here
     with pytest.raises(FileNotFoundError, match="no DATASET given"):
         resolve_dataset(None)
     data = tmp_path / "d.json"
     data.write_text(json.dumps([{"ctxs": [{"title": "T", "text": "x"}], "question": "q?", "answers": ["a"]}]))
-    monkeypatch.setenv(datasets.DATASET_ENV, str(data))
+    monkeypatch.setenv(settings.ENV_MUSIQUE, str(data))
     assert resolve_dataset(None) == data
     assert datasets.load_dataset(data, 1)[0]["question"] == "q?"
     assert datasets.passages_of(datasets.load_dataset(data, None)[0], 6) == ["T\nx"]
@@ -202,8 +201,6 @@ def test_rechunk_to_token_length(musique, tokenizer):
 @pytest.mark.model
 def test_bench_command_end_to_end(musique, tmp_path, capsys, one_thread):
     from conftest import musique_path
-
-    from cacheblend_rag.cli import main as cli_main
 
     out = tmp_path / "tmp"
     code = cli_main(["bench", str(musique_path()), "--limit", "1", "--chunks", "2", "--methods",
@@ -235,8 +232,6 @@ def test_bench_breakdown_times_layers_and_ops(musique, tmp_path, capsys, one_thr
     """`bench --breakdown`: CacheBlend's deep layers carry a fraction of full prefill's rows, pairs and attention time."""
     from conftest import musique_path
 
-    from cacheblend_rag.cli import main as cli_main
-
     code = cli_main(["bench", str(musique_path()), "--breakdown", "--limit", "1", "--chunks", "2", "--repeats", "1",
                      "--dtype", "float32", "--methods", "full_prefill,cacheblend@0.15", "--out", str(tmp_path)])
     assert code == 0
@@ -265,3 +260,69 @@ def test_breakdown_layer_groups():
     assert full["until_settled_s"] == 0.0 and full["deep_layer_s"] == 5.0 and full["num_deep_layers"] == 2
     shallow = _layer_groups([5.0, 1.0], [9, 1])  # no deep layers in a 2-layer model
     assert shallow["num_deep_layers"] == 0 and math.isnan(shallow["deep_layer_s"]) and shallow["last_layer_s"] == 1.0
+
+
+# ---- one entry, a dataset found without leaving the package, methods from the policy registry -----------------
+
+
+def test_dataset_from_the_working_folder_and_an_error_that_names_both_ways(tmp_path, monkeypatch, capsys):
+    from cacheblend_rag import settings
+    from cacheblend_rag.bench.datasets import resolve_dataset
+
+    monkeypatch.delenv(settings.ENV_MUSIQUE, raising=False)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    monkeypatch.chdir(repo)
+    with pytest.raises(FileNotFoundError) as missing:
+        resolve_dataset(None)
+    assert "--data PATH" in str(missing.value) and "$CACHEBLEND_RAG_MUSIQUE" in str(missing.value)
+    assert cli_main(["bench", "--limit", "1"]) == 2  # before any model is loaded
+    assert "--data PATH" in capsys.readouterr().err
+    shared = tmp_path / "shared" / "data" / "musique_dev.json"
+    shared.parent.mkdir(parents=True)
+    shared.write_text("[]")
+    assert resolve_dataset(None) == shared  # ../shared/data/musique_dev.json from the working folder
+    monkeypatch.setenv(settings.ENV_MUSIQUE, str(tmp_path / "gone.json"))
+    with pytest.raises(FileNotFoundError, match="CACHEBLEND_RAG_MUSIQUE is .*gone.json"):
+        resolve_dataset(None)  # a variable that is set but wrong is an error, not a silent fallback
+
+
+def test_bench_modes_exclude_each_other(tmp_path):
+    data = tmp_path / "d.json"
+    data.write_text("[]")
+    with pytest.raises(SystemExit) as both:
+        cli_main(["bench", "--data", str(data), "--loading", "--breakdown"])
+    assert both.value.code == 2
+    assert cli_main(["bench", "--data", str(data), "--loading", "--methods", "full_prefill"]) == 2
+    assert cli_main(["bench", "--data", str(data), str(tmp_path / "other.json")]) == 2  # two datasets
+
+
+def test_engine_methods_are_the_policy_registry_s():
+    from cacheblend_rag.fuse.policies import METHODS
+
+    default = parse_methods(None, (0.15,), chains=False)
+    assert [s.method for s in default] == list(METHODS) and not any(s.is_chain for s in default)
+    assert {s.method for s in parse_methods(None, (0.15,))} == set(METHODS) | {"stuff", "map_reduce", "map_rerank"}
+
+
+def test_loading_bench_compares_tiers_and_auto(tokenizer, tmp_path):
+    from conftest import tiny_model
+
+    from cacheblend_rag.bench import loading_bench
+    from cacheblend_rag.bench.report import format_loading
+
+    items = [{"question": "Which rivers meet in Lyon?", "ctxs": [
+        {"title": "Lyon", "text": "Lyon sits where the Rhône meets the Saône."},
+        {"title": "Granite", "text": "Granite forms from slowly cooled magma deep underground."},
+        {"title": "Violin", "text": "The violin has four strings tuned in perfect fifths."}]}]
+    result = loading_bench.run(tiny_model("llama", len(tokenizer)), tokenizer, items, tmp_path / "kv", num_chunks=3,
+                               home=tmp_path, show_progress=False)
+    assert list(result["tiers"]) == ["memory", "disk, pipelined (depth 2)", "disk, on demand (depth 0)"]
+    assert result["tiers"]["memory"]["vs_memory"] == 1.0
+    assert set(result["ratios"]) == {f"{t} {r}" for t in ("memory", "disk") for r in ("auto", "0.15", "0.30")}
+    assert result["ratios"]["disk 0.30"]["ratio_mean"] == 0.30 and result["ratios"]["disk auto"]["ratio_mean"] >= 0.15
+    assert all(r["kl"] >= -1e-6 for r in result["ratios"].values())
+    assert set(result["tier_profiles"]) == {"memory", "disk"} and result["profile"]["layer_per_row_s"] > 0
+    assert list((tmp_path / "profiles").glob("*.json"))  # measured once, before the timed requests
+    table = format_loading(result).splitlines()
+    assert len([line for line in table if line.startswith("| disk")]) == 2 + 3

@@ -66,7 +66,7 @@ def test_disk_reads_are_promoted_to_memory(tokenizer, tmp_path):
     assert torch.equal(first.logits, second.logits)
 
 
-from cacheblend_rag.loading.controller import LoadingController, Tier  # noqa: E402
+from cacheblend_rag.loading.controller import LoadingController  # noqa: E402
 from cacheblend_rag.loading.profile import ComputeProfile, TierProfile  # noqa: E402
 
 COMPUTE = ComputeProfile(num_tokens=4000, layer_fixed_s=0.002, layer_per_row_s=1e-5, full_prefill_s=8.0)
@@ -90,14 +90,6 @@ def test_controller_follows_its_inputs():
     assert abs(slowish.est_layer_recompute_s - slowish.est_layer_load_s) / slowish.est_layer_load_s < 0.05
 
 
-def test_cheapest_tier_that_hides_the_load():
-    c = _controller(1e9)
-    tiers = [Tier("ram", 10e9, 5.0), Tier("ssd", 1e9, 0.1), Tier("hdd", 500e6, 0.02), Tier("s3", 5e6, 0.01)]
-    layer_bytes = 3000 * 3 * 64 * 2 * 2
-    assert c.cheapest_tier(tiers, 0.15, 3000, 100, 4000, layer_bytes).name == "hdd"
-    assert c.cheapest_tier(tiers, 0.01, 3000, 0, 4000, layer_bytes * 20).name == "ram"  # none hides it: fastest
-
-
 def test_auto_ratio_on_an_engine(tokenizer, tmp_path):
     engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, kv_store=tmp_path / "kv",
                               home=tmp_path, quality_floor=0.2)
@@ -106,3 +98,103 @@ def test_auto_ratio_on_an_engine(tokenizer, tmp_path):
     decision = pre.stats["controller"]
     assert decision["recompute_ratio"] >= 0.2 and pre.stats["recompute_ratio"] == decision["recompute_ratio"]
     assert list((tmp_path / "profiles").glob("*.json"))  # measured once, cached
+
+
+# ---- profiles on a disk that cannot take the probe (issue 14.5) -------------------------------------------
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+
+from cacheblend_rag.errors import ProfileError  # noqa: E402
+from cacheblend_rag.loading.profile import PROBE_PREFIX, measure_disk  # noqa: E402
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 8 MB tmpfs (smaller than the 64 MB disk probe); skipped where mounting is not permitted."""
+    root = tmp_path / "small"
+    root.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(root)], capture_output=True,
+                                 text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command here")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield root
+    subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def _probes(root) -> list[str]:
+    return sorted(p.name for p in root.glob(PROBE_PREFIX + "*"))
+
+
+def test_disk_probe_on_a_full_filesystem_raises_a_clear_error_and_leaves_nothing(small_fs):
+    with pytest.raises(ProfileError, match=r"MiB free, the probe needs .* put the KV store elsewhere \(--home\)"):
+        measure_disk(small_fs)
+    assert _probes(small_fs) == []
+
+
+def test_disk_probe_is_removed_when_writing_it_fails_midway(tmp_path):
+    """A write that fails after some bytes (here: a file size limit, EFBIG) still removes the probe file."""
+    script = (
+        "import resource, signal, sys\n"
+        "from cacheblend_rag.errors import ProfileError\n"
+        "from cacheblend_rag.loading.profile import measure_disk\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "try:\n"
+        "    measure_disk(sys.argv[1], 8 << 20, reserve_bytes=0)\n"
+        "except ProfileError as e:\n"
+        "    print(e)\n"
+        "    sys.exit(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert "cannot measure the disk tier" in done.stdout and "Traceback" not in done.stderr
+    assert _probes(tmp_path) == []
+
+
+def test_stale_probes_of_killed_measurements_are_removed_on_the_next_one(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"{PROBE_PREFIX}{dead.pid}-0123abcd").write_bytes(b"x" * 4096)  # its process is gone
+    (tmp_path / f"{PROBE_PREFIX}k2v9_q1x").write_bytes(b"x" * 4096)  # an older version's name (no pid)
+    live = tmp_path / f"{PROBE_PREFIX}{os.getpid()}-live"  # a measurement still running
+    live.write_bytes(b"x")
+    tier = measure_disk(tmp_path, 1 << 20, reserve_bytes=0)
+    assert tier.name == "disk" and tier.read_bytes_per_s > 0
+    assert _probes(tmp_path) == [live.name]
+
+
+def test_auto_ratio_on_a_full_disk_degrades_to_a_conservative_profile(tokenizer, small_fs, tmp_path, caplog):
+    """The first recompute_ratio="auto" request measures the profiles; a disk that cannot take the probe
+    must not fail it: a warning, a slow-disk default, nothing cached (measured again next time), no probe left."""
+    engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, kv_store=small_fs, home=tmp_path)
+    ids = engine.ingest(TEXTS, show_progress=False)
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.loading.profile"):
+        pre = engine.prefill(ids, QUESTION, recompute_ratio="auto")
+    assert pre.stats["controller"]["recompute_ratio"] >= 0.15 and torch.isfinite(pre.logits).all()
+    assert any("cannot measure the disk tier" in r.getMessage() for r in caplog.records)
+    assert engine.controller.tiers["disk"].read_bytes_per_s == 100e6
+    assert _probes(small_fs) == []
+    assert not list((tmp_path / "profiles").glob("*.json"))
+
+
+@pytest.mark.model
+def test_profile_command_on_a_full_disk_prints_an_error(small_fs, tmp_path, capsys):
+    from cacheblend_rag import settings
+    from cacheblend_rag.cli import main as cli_main
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(settings.models_dir(None))  # the converted model, shared
+    (home / "kv").symlink_to(small_fs)  # the KV folder is on the small file system
+    code = cli_main(["profile", "--remeasure", "--home", str(home), "--dtype", "float32"])
+    err = capsys.readouterr().err.splitlines()[-1]  # after the weights' progress bar
+    assert code == 2 and err.startswith("error: cannot measure the disk tier") and "MiB free" in err
+    assert _probes(home / "kv") == []

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from ..engine import CacheBlendEngine
 from .datasets import question_passages
-from .engine_bench import REFERENCE, MethodSpec
+from .methods import REFERENCE, MethodSpec
 
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_int_mm")
@@ -132,23 +132,3 @@ def run(engine: CacheBlendEngine, items: list[dict], specs: list[MethodSpec], *,
         for s in summary.values():
             s["speedup"] = summary[REFERENCE]["ttft_s"] / s["ttft_s"]
     return summary
-
-
-def format_breakdown(summary: dict[str, dict]) -> str:
-    """Two markdown tables: per-layer milliseconds with rows and pairs, then op shares per request."""
-    ms = lambda s: f"{1000 * s:.1f}" if s == s else "–"  # noqa: E731 (nan: no such layers)
-    lines = ["| method | TTFT (ms) | × full | layer 0 | layers until settled | deep layer (median) | deep layers | "
-             "last layer | deep rows | deep attention pairs |", "|" + "---|" * 10]
-    for label, s in summary.items():
-        speedup = f"{s['speedup']:.2f}×" if "speedup" in s else "–"
-        lines.append(f"| {label} | {ms(s['ttft_s'])} | {speedup} | {ms(s['layer0_s'])} | {ms(s['until_settled_s'])} | "
-                     f"{ms(s['deep_layer_s'])} | {s['num_deep_layers']} | {ms(s['last_layer_s'])} | "
-                     f"{100 * s['deep_rows_share']:.1f}% | {100 * s['deep_pairs_share']:.1f}% |")
-    lines += ["", "| method (per request, profiled) | attention (ms) | matmuls (ms) | everything else (ms) | "
-              "of all that: placing cached KV | selecting rows | attention plans | outside the layers (timed) |",
-              "|" + "---|" * 8]
-    for label, s in summary.items():
-        lines.append(f"| {label} | {ms(s['attention_s'])} | {ms(s['matmul_s'])} | {ms(s['other_s'])} | "
-                     f"{ms(s['place_cached_kv_s'])} | {ms(s['select_rows_s'])} | {ms(s['plan_attention_s'])} | "
-                     f"{ms(s['outside_layers_s'])} |")
-    return "\n".join(lines)

@@ -18,7 +18,7 @@ import time
 
 from ..engine import CacheBlendEngine
 from ..fuse.layout import assemble
-from .engine_bench import MethodSpec
+from .methods import MethodSpec
 
 DEFAULT_CHAIN_METHOD = "cacheblend"
 DEFAULT_CHAIN_RATIO = 0.15

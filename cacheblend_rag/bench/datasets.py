@@ -7,17 +7,32 @@ import os
 import random
 from pathlib import Path
 
-DEFAULT_DATASET = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "musique_dev.json"
-DATASET_ENV = "CACHEBLEND_RAG_MUSIQUE"
+from .. import settings
+
+# Where the repository's checkout keeps the data, from its root: used only when found from the working folder.
+FALLBACK_DATASET = Path("..") / "shared" / "data" / "musique_dev.json"
 
 
-def default_dataset() -> Path | None:
-    """$CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json next to the repo; None when neither exists."""
-    env = os.environ.get(DATASET_ENV)
-    for path in ([Path(env).expanduser()] if env else []) + [DEFAULT_DATASET]:
-        if path.is_file():
-            return path
-    return None
+def resolve_dataset(value: str | os.PathLike[str] | None) -> Path:
+    """The dataset to run: `value` (--data), else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json
+    from the working folder when it exists; FileNotFoundError naming the ways to give one otherwise."""
+    if value:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset {path} not found")
+        return path
+    env = settings.musique_dataset()
+    if env is not None:
+        if not env.is_file():
+            raise FileNotFoundError(f"${settings.ENV_MUSIQUE} is {env}, which is not a file; point it at a "
+                                    "MuSiQue-style JSON file or pass --data PATH")
+        return env
+    fallback = Path.cwd() / FALLBACK_DATASET
+    if fallback.is_file():
+        return fallback.resolve()
+    raise FileNotFoundError(f"no DATASET given: pass --data PATH (a MuSiQue-style JSON file) or set "
+                            f"${settings.ENV_MUSIQUE}; {FALLBACK_DATASET} from the working folder ({Path.cwd()}) "
+                            "does not exist either")
 
 
 def load_dataset(path: str | Path, limit: int | None, *, shuffle: bool = False, seed: int = 0) -> list[dict]:

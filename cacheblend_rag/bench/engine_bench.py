@@ -1,7 +1,4 @@
-"""Engine benchmark: TTFT and fidelity of every method on MuSiQue-style data, all in one run.
-
-    python -m cacheblend_rag.bench.engine_bench --limit 20 --chunks 6      # engine methods only
-    cacheblend-rag bench --limit 20 --chunks 6                               # + LangChain chains, HF pipeline
+"""The benchmark's runner: TTFT and fidelity of every method on MuSiQue-style data, all in one run.
 
 Methods are interleaved per question (the order rotates) so machine noise hits all alike; speedups are
 ratios to full prefill measured in the same run. The passages' KV is ingested before anything is timed.
@@ -10,108 +7,22 @@ ratios to full prefill measured in the same run. The passages' KV is ingested be
 from __future__ import annotations
 
 import logging
-import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from ..engine import CacheBlendEngine
-from .datasets import DEFAULT_DATASET, load_dataset, passages_of, question_passages  # noqa: F401 (re-exported)
-from .metrics import best_f1, first_token_kl, rouge_l, token_f1
+from .datasets import question_passages
+from .methods import REFERENCE, MethodSpec
+from .metrics import best_f1, first_token_kl, percentile, rouge_l, token_f1
 
 logger = logging.getLogger(__name__)
 
-ENGINE_METHODS = ("full_prefill", "prefix_cache", "full_reuse", "cacheblend")
-CHAIN_METHODS = ("stuff", "map_reduce", "map_rerank", "hf_pipeline")
-DEFAULT_RATIOS = (0.05, 0.15, 0.30)
-SWEEP_RATIOS = (0.05, 0.10, 0.15, 0.20, 0.30, 0.50, 0.75, 1.0)
-DEFAULT_METHODS = ("full_prefill", "prefix_cache", "full_reuse", "cacheblend@0.05", "cacheblend@0.15", "cacheblend@0.30")
-REFERENCE = "full_prefill"
 WARMUP_PASSAGE = "Warm-up\nThe Eiffel Tower is in Paris, the capital of France."
 WARMUP_QUESTION = "Where is the Eiffel Tower?"
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A method to run: an engine method or a chain, a ratio, and options."""
-
-    label: str
-    method: str
-    ratio: float | None = None
-    options: dict = field(default_factory=dict)
-
-    @classmethod
-    def parse(cls, text: str) -> MethodSpec:
-        """'cacheblend@0.15' → CacheBlend at 0.15; options follow as '/key=value' pairs.
-
-        e.g. 'cacheblend@0.15/deviation=k/check_layers=1+2/candidate_factor=2/filter_layer=4' (tuples join with '+').
-        Chains ('stuff', 'map_reduce', 'map_rerank') run CacheBlendLLM at cacheblend@0.15 unless told:
-        'map_reduce@0.3', 'stuff/method=full_prefill'.
-        """
-        head, *opts = text.strip().split("/")
-        name, _, ratio = head.partition("@")
-        if name not in ENGINE_METHODS + CHAIN_METHODS:
-            raise ValueError(f"unknown method {name!r}; expected one of {', '.join(ENGINE_METHODS + CHAIN_METHODS)}")
-        return cls(text.strip(), name, float(ratio) if ratio else None, dict(_option(o) for o in opts))
-
-    @property
-    def is_chain(self) -> bool:
-        """Whether this runs through a LangChain chain (TTFT = first streamed chunk)."""
-        return self.method in CHAIN_METHODS
-
-    @property
-    def ratio_of_recompute(self) -> float | None:
-        """Where the method sits on a recompute-ratio axis: full reuse 0, full prefill 1, CacheBlend its ratio."""
-        return {"full_reuse": 0.0, "full_prefill": 1.0}.get(self.method, self.ratio if self.method == "cacheblend" else None)
-
-
-def _option(text: str) -> tuple[str, object]:
-    key, _, value = text.partition("=")
-    if key == "check_layers":
-        return key, tuple(int(v) for v in value.split("+"))
-    if key in ("chunk_head_tokens", "filter_layer"):
-        return key, int(value)
-    if key == "candidate_factor":
-        return key, float(value)
-    return key, value
-
-
-def parse_methods(text: str | None, ratios: tuple[float, ...] = DEFAULT_RATIOS, *, sweep: bool = False,
-                  hf_available: bool = False) -> list[MethodSpec]:
-    """Method specs from '--methods'; a bare 'cacheblend' expands to one spec per ratio; full prefill first.
-
-    With no text: every engine method, CacheBlend at each ratio, the chains, and hf_pipeline when available;
-    with `sweep`: full prefill, full reuse and CacheBlend at each ratio (quality vs ratio).
-    """
-    if text:
-        names = [m for m in text.split(",") if m.strip()]
-    elif sweep:
-        names = ["full_prefill", "full_reuse", "cacheblend"]
-    else:
-        names = ["full_prefill", "prefix_cache", "full_reuse", "cacheblend", "stuff", "map_reduce", "map_rerank"]
-        names += ["hf_pipeline"] if hf_available else []
-    specs: list[MethodSpec] = []
-    for name in names:
-        head, sep, rest = name.strip().partition("/")
-        if head == "cacheblend":
-            specs += [MethodSpec.parse(f"cacheblend@{_ratio_text(r)}{sep}{rest}") for r in ratios]
-        else:
-            specs.append(MethodSpec.parse(name))
-    if REFERENCE not in [s.label for s in specs]:
-        specs.insert(0, MethodSpec.parse(REFERENCE))
-    labels = [s.label for s in specs]
-    duplicates = {label for label in labels if labels.count(label) > 1}
-    if duplicates:
-        raise ValueError(f"methods given twice: {', '.join(sorted(duplicates))}")
-    return specs
-
-
-def _ratio_text(ratio: float) -> str:
-    return f"{ratio:.2f}"
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -219,12 +130,6 @@ def _mean(values) -> float | None:
     return statistics.fmean(vals) if vals else None
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summarize(records: list[dict], labels: list[str]) -> dict[str, dict]:
     """Per method: TTFT median/p90, latency, speedup vs full prefill, gold F1, agreement, match, KL, recompute.
 
@@ -253,42 +158,3 @@ def summarize(records: list[dict], labels: list[str]) -> dict[str, dict]:
             "llm_calls": _mean(r.get("llm_calls") for r in rows),
         }
     return summary
-
-
-def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
-
-
-TABLE_HEAD = ("| method | TTFT median (s) | p90 (s) | latency (s) | speedup | gold F1 | agreement F1 | ROUGE-L | "
-              "1st-token match | KL | recomputed | KV loaded (MB) |")
-
-
-def format_table(summary: dict[str, dict]) -> str:
-    """A markdown table of the summary; '–' where a metric is unavailable. Chain TTFTs are marked with '*'."""
-    lines = [TABLE_HEAD, "|" + "---|" * TABLE_HEAD.count(" | ") + "---|"]
-    for label, s in summary.items():
-        star = "*" if s.get("ttft_kind", "prefill") != "prefill" else ""
-        kv = s.get("kv_bytes_loaded")
-        lines.append(
-            f"| {label} | {s['ttft_median_s']:.3f}{star} | {s['ttft_p90_s']:.3f} | "
-            f"{_fmt(s.get('latency_median_s'))} | {_fmt(s.get('speedup'), '.2f', '×')} | {s['f1']:.3f} | "
-            f"{s['agreement_f1']:.3f} | {_fmt(s.get('agreement_rouge_l'))} | {_fmt(s.get('first_token_match'), '.2f')} | "
-            f"{_fmt(s.get('kl'))} | {_fmt(s.get('recompute_ratio_effective'))} | "
-            f"{_fmt(None if kv is None else kv / 1e6, '.1f')} |")
-    return "\n".join(lines)
-
-
-def machine() -> str:
-    """One line about where this ran."""
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line entry: the `cacheblend-rag bench` command with engine methods as the default."""
-    from .command import main as command_main
-
-    return command_main(argv, default_engine_only=True, prog="python -m cacheblend_rag.bench.engine_bench")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

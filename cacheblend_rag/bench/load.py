@@ -14,9 +14,8 @@ import time
 from tqdm.auto import tqdm
 
 from ..engine import CacheBlendEngine
-from .engine_bench import MethodSpec, percentile
-
-DEFAULT_LOAD_METHODS = ("full_prefill", "cacheblend@0.15")
+from .methods import MethodSpec
+from .metrics import percentile
 
 
 def run_load(engine: CacheBlendEngine, questions: list[tuple[list[str], str]], specs: list[MethodSpec], *,
@@ -72,15 +71,3 @@ def run_load(engine: CacheBlendEngine, questions: list[tuple[list[str], str]], s
             "records": rows,
         }
     return out
-
-
-def format_load_table(load: dict[str, dict]) -> str:
-    """A markdown table of the throughput run."""
-    head = ("| method | clients | requests | queries/min | TTFT under load median (s) | p90 (s) | "
-            "prefill alone median (s) | latency median (s) | requests with KV misses |")
-    lines = [head, "|" + "---|" * 9]
-    for label, s in load.items():
-        lines.append(f"| {label} | {s['concurrency']} | {s['requests']} | {s['queries_per_min']:.1f} | "
-                     f"{s['ttft_median_s']:.3f} | {s['ttft_p90_s']:.3f} | {s['service_ttft_median_s']:.3f} | "
-                     f"{s['latency_median_s']:.3f} | {s.get('requests_with_misses', 0)} |")
-    return "\n".join(lines)

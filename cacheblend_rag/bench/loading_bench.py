@@ -1,7 +1,5 @@
 """Loading benchmark (CacheBlend §5): TTFT with KV in memory vs on disk, with and without layer pipelining,
-and recompute_ratio="auto" vs fixed ratios.
-
-    python -m cacheblend_rag.bench.loading_bench --limit 10
+and recompute_ratio="auto" vs fixed ratios (`cacheblend-rag bench --loading`).
 
 The disk runs drop the OS page cache of every KV file before each request
 (posix_fadvise DONTNEED), so each layer is read from the device, not from RAM.
@@ -9,9 +7,8 @@ The disk runs drop the OS page cache of every KV file before each request
 
 from __future__ import annotations
 
-import argparse
+import os
 import statistics
-import tempfile
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -19,26 +16,38 @@ from tqdm.auto import tqdm
 from ..engine import CacheBlendEngine
 from ..loading.profile import drop_page_cache
 from ..store import DiskStore, MemoryStore
-from .engine_bench import DEFAULT_DATASET, load_dataset, machine, passages_of
+from .datasets import question_passages
 from .metrics import first_token_kl
 
+AUTO_COMPARED = (("auto", "auto"), ("0.15", 0.15), ("0.30", 0.30))  # (label, recompute_ratio)
 
-def run(model_name: str, dataset: str, limit: int, num_chunks: int, ratio: float, dtype: str) -> dict:
-    """TTFT per configuration, interleaved per question; returns medians and ratios to the memory tier."""
-    root = Path(tempfile.mkdtemp(prefix="cacheblend-loading-"))
-    base = CacheBlendEngine.from_pretrained(model_name, kv_store=DiskStore(root), dtype=dtype, home=None)
-    model, tokenizer = base.model, base.tokenizer
+
+def run(model, tokenizer, items: list[dict], kv_root: str | Path, *, num_chunks: int = 6,
+        chunk_tokens: int | None = None, ratio: float = 0.15, lead_in: str = "prefix",
+        home: str | os.PathLike[str] | None = None, show_progress: bool = True) -> dict:
+    """TTFT per KV location at `ratio`, and "auto" vs fixed ratios, interleaved per question.
+
+    Engines on the same model: one on a DiskStore at `kv_root` (ingests, and gives the full-prefill reference),
+    one on a memory store, two on the disk store (pipelined, depth 2; on demand, depth 0). Returns medians,
+    ratios to the memory tier, and the profiles the loading controller used.
+    """
+    root = Path(kv_root)
+    base = CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), lead_in=lead_in, home=home)
     engines = {
-        "memory": CacheBlendEngine(model, tokenizer, kv_store=MemoryStore(None)),
-        "disk, pipelined (depth 2)": CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), prefetch_depth=2),
-        "disk, on demand (depth 0)": CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), prefetch_depth=0),
+        "memory": CacheBlendEngine(model, tokenizer, kv_store=MemoryStore(None), lead_in=lead_in, home=home),
+        "disk, pipelined (depth 2)": CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), lead_in=lead_in,
+                                                      prefetch_depth=2, home=home),
+        "disk, on demand (depth 0)": CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), lead_in=lead_in,
+                                                      prefetch_depth=0, home=home),
     }
     auto_engines = {"memory": engines["memory"], "disk": engines["disk, pipelined (depth 2)"]}
+    for engine in auto_engines.values():
+        engine.controller  # noqa: B018 (profiles measured or read now, not inside the first timed "auto" request)
     ttft: dict[str, list[float]] = {k: [] for k in engines}
     waits: dict[str, list[float]] = {k: [] for k in engines}
     ratio_rows: dict[str, list[tuple[float, float, float]]] = {}
-    for qi, item in enumerate(tqdm(load_dataset(dataset, limit), desc="questions", unit="q")):
-        chunks = passages_of(item, num_chunks)
+    for qi, item in enumerate(tqdm(items, desc="questions", unit="q", disable=not show_progress)):
+        chunks = question_passages(item, num_chunks, chunk_tokens, tokenizer)
         ids = base.ingest(chunks, show_progress=False)
         engines["memory"].ingest(chunks, show_progress=False)
         question = item["question"]
@@ -52,43 +61,17 @@ def run(model_name: str, dataset: str, limit: int, num_chunks: int, ratio: float
             ttft[name].append(pre.stats["ttft_s"])
             waits[name].append(pre.stats["timing"]["kv_wait_s"])
         for tier, engine in auto_engines.items():
-            for label, r in ((f"{tier} auto", "auto"), (f"{tier} 0.15", 0.15), (f"{tier} 0.30", 0.30)):
+            for label, r in AUTO_COMPARED:
                 if tier == "disk":
                     drop_page_cache(root.rglob("*.safetensors"))
                 pre = engine.prefill(ids, question, recompute_ratio=r)
-                ratio_rows.setdefault(label, []).append(
+                ratio_rows.setdefault(f"{tier} {label}", []).append(
                     (pre.stats["ttft_s"], first_token_kl(full.logits, pre.logits), pre.stats["recompute_ratio"]))
     memory = statistics.median(ttft["memory"])
     tiers = {k: {"ttft_median_s": statistics.median(v), "vs_memory": statistics.median(v) / memory,
                  "kv_wait_median_s": statistics.median(waits[k])} for k, v in ttft.items()}
     ratios = {k: {"ttft_median_s": statistics.median(t for t, _, _ in v), "kl": statistics.fmean(x for _, x, _ in v),
                   "ratio_mean": statistics.fmean(r for _, _, r in v)} for k, v in ratio_rows.items()}
-    return {"tiers": tiers, "ratios": ratios, "profile": engines["memory"].controller.compute.__dict__,
-            "tier_profiles": {k: v.__dict__ for k, v in engines["memory"].controller.tiers.items()}}
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Command line entry."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("dataset", nargs="?", default=str(DEFAULT_DATASET))
-    parser.add_argument("--limit", type=int, default=10)
-    parser.add_argument("--chunks", type=int, default=6)
-    parser.add_argument("--ratio", type=float, default=0.15)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="auto")
-    args = parser.parse_args(argv)
-    result = run(args.model, args.dataset, args.limit, args.chunks, args.ratio, args.dtype)
-    print(f"\n{args.limit} questions × {args.chunks} passages, CacheBlend r={args.ratio}; {machine()}")
-    print("| KV location | TTFT median (s) | × memory tier | loop waited for KV (median s) |\n|---|---|---|---|")
-    for name, row in result["tiers"].items():
-        print(f"| {name} | {row['ttft_median_s']:.3f} | {row['vs_memory']:.3f} | {row['kv_wait_median_s']:.4f} |")
-    print("\n| ratio | TTFT median (s) | first-token KL vs full prefill | mean ratio used |\n|---|---|---|---|")
-    for name, row in result["ratios"].items():
-        print(f"| {name} | {row['ttft_median_s']:.3f} | {row['kl']:.4f} | {row['ratio_mean']:.3f} |")
-    p, t = result["profile"], result["tier_profiles"]
-    print(f"\nprofile: layer = {p['layer_fixed_s'] * 1e3:.2f} ms + {p['layer_per_row_s'] * 1e6:.2f} µs/row at "
-          f"{p['num_tokens']} tokens; tiers: " + ", ".join(f"{k} {v['read_bytes_per_s'] / 1e9:.2f} GB/s" for k, v in t.items()))
-
-
-if __name__ == "__main__":
-    main()
+    controller = engines["disk, pipelined (depth 2)"].controller
+    return {"ratio": ratio, "tiers": tiers, "ratios": ratios, "profile": dict(controller.compute.__dict__),
+            "tier_profiles": {k: dict(v.__dict__) for k, v in controller.tiers.items()}}

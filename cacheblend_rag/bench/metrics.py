@@ -57,3 +57,9 @@ def first_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> floa
     ref = reference_logits.float().log_softmax(-1)
     other = logits.float().log_softmax(-1)
     return float((ref.exp() * (ref - other)).sum())
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

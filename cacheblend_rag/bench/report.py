@@ -1,12 +1,14 @@
-"""Benchmark outputs: results.json, results.md and the quality-vs-TTFT (and quality-vs-ratio) plots."""
+"""Benchmark outputs: the markdown tables, results.json, results.md and the quality-vs-TTFT (and
+quality-vs-ratio) plots; breakdown.md/json and loading.md/json for `--breakdown` and `--loading`."""
 
 from __future__ import annotations
 
 import json
 import math
+import platform
 from pathlib import Path
 
-from .engine_bench import format_table
+import torch
 
 NOTES = """\
 - TTFT: engine methods — the prefill of the fused prompt up to the first token's logits (KV already ingested);
@@ -20,6 +22,87 @@ NOTES = """\
   (engine methods only; `–` where not observable).
 - recomputed: share of reused chunk tokens recomputed per layer (chains: over all their calls).
   KV loaded: bytes of stored KV placed into the prompt (engine methods)."""
+
+
+def machine() -> str:
+    """One line about where this ran."""
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+# ---- tables -----------------------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str = ".3f", suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+TABLE_HEAD = ("| method | TTFT median (s) | p90 (s) | latency (s) | speedup | gold F1 | agreement F1 | ROUGE-L | "
+              "1st-token match | KL | recomputed | KV loaded (MB) |")
+
+
+def format_table(summary: dict[str, dict]) -> str:
+    """A markdown table of the summary; '–' where a metric is unavailable. Chain TTFTs are marked with '*'."""
+    lines = [TABLE_HEAD, "|" + "---|" * TABLE_HEAD.count(" | ") + "---|"]
+    for label, s in summary.items():
+        star = "*" if s.get("ttft_kind", "prefill") != "prefill" else ""
+        kv = s.get("kv_bytes_loaded")
+        lines.append(
+            f"| {label} | {s['ttft_median_s']:.3f}{star} | {s['ttft_p90_s']:.3f} | "
+            f"{_fmt(s.get('latency_median_s'))} | {_fmt(s.get('speedup'), '.2f', '×')} | {s['f1']:.3f} | "
+            f"{s['agreement_f1']:.3f} | {_fmt(s.get('agreement_rouge_l'))} | {_fmt(s.get('first_token_match'), '.2f')} | "
+            f"{_fmt(s.get('kl'))} | {_fmt(s.get('recompute_ratio_effective'))} | "
+            f"{_fmt(None if kv is None else kv / 1e6, '.1f')} |")
+    return "\n".join(lines)
+
+
+def format_load_table(load: dict[str, dict]) -> str:
+    """A markdown table of the throughput run."""
+    head = ("| method | clients | requests | queries/min | TTFT under load median (s) | p90 (s) | "
+            "prefill alone median (s) | latency median (s) | requests with KV misses |")
+    lines = [head, "|" + "---|" * 9]
+    for label, s in load.items():
+        lines.append(f"| {label} | {s['concurrency']} | {s['requests']} | {s['queries_per_min']:.1f} | "
+                     f"{s['ttft_median_s']:.3f} | {s['ttft_p90_s']:.3f} | {s['service_ttft_median_s']:.3f} | "
+                     f"{s['latency_median_s']:.3f} | {s.get('requests_with_misses', 0)} |")
+    return "\n".join(lines)
+
+
+def format_breakdown(summary: dict[str, dict]) -> str:
+    """Two markdown tables: per-layer milliseconds with rows and pairs, then op shares per request."""
+    ms = lambda s: f"{1000 * s:.1f}" if s == s else "–"  # noqa: E731 (nan: no such layers)
+    lines = ["| method | TTFT (ms) | × full | layer 0 | layers until settled | deep layer (median) | deep layers | "
+             "last layer | deep rows | deep attention pairs |", "|" + "---|" * 10]
+    for label, s in summary.items():
+        speedup = f"{s['speedup']:.2f}×" if "speedup" in s else "–"
+        lines.append(f"| {label} | {ms(s['ttft_s'])} | {speedup} | {ms(s['layer0_s'])} | {ms(s['until_settled_s'])} | "
+                     f"{ms(s['deep_layer_s'])} | {s['num_deep_layers']} | {ms(s['last_layer_s'])} | "
+                     f"{100 * s['deep_rows_share']:.1f}% | {100 * s['deep_pairs_share']:.1f}% |")
+    lines += ["", "| method (per request, profiled) | attention (ms) | matmuls (ms) | everything else (ms) | "
+              "of all that: placing cached KV | selecting rows | attention plans | outside the layers (timed) |",
+              "|" + "---|" * 8]
+    for label, s in summary.items():
+        lines.append(f"| {label} | {ms(s['attention_s'])} | {ms(s['matmul_s'])} | {ms(s['other_s'])} | "
+                     f"{ms(s['place_cached_kv_s'])} | {ms(s['select_rows_s'])} | {ms(s['plan_attention_s'])} | "
+                     f"{ms(s['outside_layers_s'])} |")
+    return "\n".join(lines)
+
+
+def format_loading(result: dict) -> str:
+    """Two markdown tables of `--loading`: TTFT per KV location, then "auto" vs fixed ratios; the profiles."""
+    lines = ["| KV location | TTFT median (s) | × memory tier | loop waited for KV (median s) |", "|---|---|---|---|"]
+    for name, row in result["tiers"].items():
+        lines.append(f"| {name} | {row['ttft_median_s']:.3f} | {row['vs_memory']:.3f} | {row['kv_wait_median_s']:.4f} |")
+    lines += ["", "| ratio | TTFT median (s) | first-token KL vs full prefill | mean ratio used |", "|---|---|---|---|"]
+    for name, row in result["ratios"].items():
+        lines.append(f"| {name} | {row['ttft_median_s']:.3f} | {row['kl']:.4f} | {row['ratio_mean']:.3f} |")
+    p, t = result["profile"], result["tier_profiles"]
+    lines += ["", f"profile: layer = {p['layer_fixed_s'] * 1e3:.2f} ms + {p['layer_per_row_s'] * 1e6:.2f} µs/row at "
+              f"{p['num_tokens']} tokens; tiers: "
+              + ", ".join(f"{k} {v['read_bytes_per_s'] / 1e9:.2f} GB/s" for k, v in t.items())]
+    return "\n".join(lines)
+
+
+# ---- plots ------------------------------------------------------------------------------------------------
 
 
 def _plt():
@@ -112,8 +195,6 @@ def _save(plt, fig, path: str | Path, layout: bool = True) -> Path:
 
 def format_markdown(result: dict) -> str:
     """results.md: what ran, ingestion, the summary table, throughput (if measured), how it was measured."""
-    from .load import format_load_table
-
     meta = result["meta"]
     ing = result["ingest"]
     lines = [
@@ -150,3 +231,24 @@ def write_outputs(result: dict, out: str | Path) -> dict[str, Path]:
         if ratio_png:
             paths["ratio_png"] = ratio_png
     return paths
+
+
+def _strict(value):
+    """NaN as None, recursively: strict JSON has no NaN."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return value
+
+
+def write_table(out: str | Path, name: str, header: str, table: str, payload: dict) -> list[Path]:
+    """`<name>.md` (header and table) and `<name>.json` (strict JSON) under `out`, for --breakdown/--loading."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    md, js = out / f"{name}.md", out / f"{name}.json"
+    md.write_text(f"{header}\n\n{table}\n")
+    js.write_text(json.dumps(_strict(payload), indent=1))
+    return [md, js]

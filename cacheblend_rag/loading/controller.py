@@ -1,5 +1,4 @@
-"""The loading controller (CacheBlend §5.1): pick a recompute ratio whose recompute hides the KV loading,
-and the cheapest storage tier that does not add TTFT."""
+"""The loading controller (CacheBlend §5.1): pick a recompute ratio whose recompute hides the KV loading."""
 
 from __future__ import annotations
 
@@ -25,17 +24,8 @@ class RatioDecision:
 
 
 @dataclass(frozen=True)
-class Tier:
-    """A candidate storage tier: its read throughput and its price."""
-
-    name: str
-    read_bytes_per_s: float
-    cost_per_gb: float
-
-
-@dataclass(frozen=True)
 class LoadingController:
-    """Chooses recompute ratios and storage tiers from measured profiles."""
+    """Chooses recompute ratios from measured profiles."""
 
     compute: ComputeProfile
     tiers: dict[str, TierProfile]
@@ -64,14 +54,3 @@ class LoadingController:
         ratio = max(self.quality_floor, balanced)
         recompute = c.layer_time(num_uncached + round(ratio * num_reused), num_tokens)
         return RatioDecision(ratio, balanced, load, recompute, self.quality_floor)
-
-    def cheapest_tier(self, candidates: list[Tier], recompute_ratio: float, num_reused: int, num_uncached: int,
-                      num_tokens: int, bytes_per_layer: int) -> Tier:
-        """The cheapest tier whose per-layer load stays within the per-layer recompute at this ratio."""
-        if not candidates:
-            raise ConfigError("no candidate tiers given")
-        budget = self.compute.layer_time(num_uncached + round(recompute_ratio * num_reused), num_tokens)
-        fits = [t for t in candidates if bytes_per_layer / t.read_bytes_per_s <= budget]
-        if not fits:  # nothing hides the load: take the fastest
-            return max(candidates, key=lambda t: t.read_bytes_per_s)
-        return min(fits, key=lambda t: (t.cost_per_gb, -t.read_bytes_per_s))

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
+import shutil
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from .. import settings
+from ..errors import ProfileError
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +69,87 @@ def drop_page_cache(paths) -> int:
     return dropped
 
 
-def measure_disk(root: str | Path, num_bytes: int = 64 * 1024**2) -> TierProfile:
-    """Cold read throughput of the file system under `root` (page cache dropped for the test file)."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=root, prefix=".probe-", delete=False) as f:
-        f.write(os.urandom(num_bytes))
-        path = f.name
+PROBE_PREFIX = ".probe-"
+CONSERVATIVE_DISK = TierProfile("disk", 100e6)  # a slow disk: "auto" then recomputes more, never less
+CONSERVATIVE_MEMORY = TierProfile("memory", 1e9)
+
+
+def _pid_alive(pid: int) -> bool:
     try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_probes(root: str | Path) -> int:
+    """Remove probe files left by a killed measurement (their process is gone); returns how many."""
+    removed = 0
+    for path in Path(root).glob(PROBE_PREFIX + "*"):
+        pid = path.name[len(PROBE_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue  # a live measurement's (or ours, removed by its own finally)
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.warning("could not remove stale disk probe %s: %s", path, e)
+    if removed:
+        logger.info("removed %d stale disk probe file(s) under %s", removed, root)
+    return removed
+
+
+def measure_disk(root: str | Path, num_bytes: int = 64 * 1024**2, *, reserve_bytes: int = 256 * 1024**2) -> TierProfile:
+    """Cold read throughput of the file system under `root` (page cache dropped for the probe file).
+
+    The probe file (`.probe-<pid>-*`, `num_bytes`) is always removed, and stale ones of killed processes are
+    removed first. Needs `num_bytes + reserve_bytes` free: the probe never fills the disk a KV store writes to.
+    Raises ProfileError (with the reason and the fix) when it cannot measure.
+    """
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_stale_probes(root)
+        free = shutil.disk_usage(root).free
+    except OSError as e:
+        raise ProfileError(f"cannot measure the disk tier under {root}: {e}") from e
+    if free < num_bytes + reserve_bytes:
+        mib = 1024**2
+        raise ProfileError(f"cannot measure the disk tier under {root}: {free / mib:.1f} MiB free, the probe needs "
+                           f"{(num_bytes + reserve_bytes) / mib:.0f} MiB ({num_bytes / mib:.0f} MiB file + "
+                           f"{reserve_bytes / mib:.0f} MiB left free); free some space there or put the KV store "
+                           "elsewhere (--home)")
+    path = root / f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    block = 4 * 1024**2
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            written = 0
+            while written < num_bytes:
+                written += os.write(fd, os.urandom(min(block, num_bytes - written)))
+        finally:
+            os.close(fd)
         drop_page_cache([path])
         started = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
-            while f.read(4 * 1024**2):
+            while f.read(block):
                 pass
         seconds = time.perf_counter() - started
+    except OSError as e:
+        raise ProfileError(f"cannot measure the disk tier under {root}: {e}; free some space there or put the "
+                           "KV store elsewhere (--home)") from e
     finally:
-        os.unlink(path)
-    return TierProfile("disk", num_bytes / seconds)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # the next measurement removes it (its process will be gone)
+            logger.warning("could not remove the disk probe %s: %s", path, e)
+    return TierProfile("disk", num_bytes / max(seconds, 1e-9))
 
 
 def measure_memory(device: torch.device, dtype: torch.dtype, num_bytes: int = 64 * 1024**2) -> TierProfile:
@@ -99,10 +166,9 @@ def measure_memory(device: torch.device, dtype: torch.dtype, num_bytes: int = 64
 
 
 def measure_compute(engine, num_tokens: int = 2048, ratios: tuple[float, float] = (0.05, 0.4)) -> ComputeProfile:
-    """Fit the per-layer time of the fused loop on synthetic chunks (a throwaway memory store)."""
-    from ..engine import CacheBlendEngine
-
-    probe = CacheBlendEngine(engine.model, engine.tokenizer, kv_store=None, lead_in=engine.lead_in,
+    """Fit the per-layer time of the fused loop on synthetic chunks (a throwaway engine of the same class on
+    the same model, with a memory store)."""
+    probe = type(engine)(engine.model, engine.tokenizer, kv_store=None, lead_in=engine.lead_in,
                              template=engine.template)
     gen = torch.Generator().manual_seed(0)
     vocab = min(len(engine.tokenizer), engine.model.config.vocab_size)
@@ -130,17 +196,66 @@ def profile_path(engine, home: str | os.PathLike[str] | None = None) -> Path:
     return settings.home_dir(home) / "profiles" / f"{engine.fingerprint}-{a.device.type}-{dtype}.json"
 
 
-def load_or_measure(engine, disk_root: str | Path | None = None, *, remeasure: bool = False,
-                    home: str | os.PathLike[str] | None = None) -> tuple[ComputeProfile, dict[str, TierProfile]]:
-    """The cached profiles, measured first if missing (or if `remeasure`)."""
-    path = profile_path(engine, home)
-    if path.is_file() and not remeasure:
+def _read_cached(path: Path) -> tuple[ComputeProfile, dict[str, TierProfile]] | None:
+    """The profiles cached at `path`; None (and a warning) when the file is damaged."""
+    try:
         data = json.loads(path.read_text())
         return ComputeProfile(**data["compute"]), {k: TierProfile(**v) for k, v in data["tiers"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        logger.warning("the cached profile %s is unreadable (%s); measuring again", path, e)
+        return None
+
+
+def _write_cached(path: Path, compute: ComputeProfile, tiers: dict[str, TierProfile]) -> None:
+    """Write the profiles atomically (a temporary file renamed over); never leaves a partial file."""
+    data = json.dumps({"compute": asdict(compute), "tiers": {k: asdict(v) for k, v in tiers.items()}}, indent=1)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(data)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ProfileError(f"cannot cache the profile in {path}: {e}") from e
+
+
+def load_or_measure(engine, disk_root: str | Path | None = None, *, remeasure: bool = False,
+                    home: str | os.PathLike[str] | None = None,
+                    strict: bool = False) -> tuple[ComputeProfile, dict[str, TierProfile]]:
+    """The cached profiles, measured first if missing, damaged, or if `remeasure`.
+
+    A storage tier that cannot be measured (a full disk, say) raises ProfileError when `strict` (the `profile`
+    command); otherwise it logs a warning and takes a conservative default (a slow tier: "auto" recomputes more),
+    and nothing is cached, so the next process measures again. A request never fails over its profile.
+    """
+    path = profile_path(engine, home)
+    if path.is_file() and not remeasure:
+        cached = _read_cached(path)
+        if cached is not None:
+            return cached
     logger.info("measuring compute and storage profiles (once; cached in %s)", path)
+    tiers: dict[str, TierProfile] = {}
+    fell_back = False
+    measures = (("disk", lambda: measure_disk(disk_root or settings.kv_dir(home)), CONSERVATIVE_DISK),
+                ("memory", lambda: measure_memory(engine.adapter.device, engine.adapter.dtype), CONSERVATIVE_MEMORY))
+    for name, measure, default in measures:  # the disk first: the likeliest to fail, and the cheapest
+        try:
+            tiers[name] = measure()
+        except (ProfileError, RuntimeError, OSError) as e:
+            if strict and isinstance(e, ProfileError):
+                raise
+            if strict:
+                raise ProfileError(f"cannot measure the {name} tier: {e}") from e
+            logger.warning("%s; assuming %.2f GB/s for the %s tier (not cached)", e, default.read_bytes_per_s / 1e9,
+                           name)
+            tiers[name], fell_back = default, True
     compute = measure_compute(engine)
-    tiers = {"memory": measure_memory(engine.adapter.device, engine.adapter.dtype)}
-    tiers["disk"] = measure_disk(disk_root or settings.kv_dir(home))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"compute": asdict(compute), "tiers": {k: asdict(v) for k, v in tiers.items()}}, indent=1))
+    tiers = {"memory": tiers["memory"], "disk": tiers["disk"]}
+    if not fell_back:
+        try:
+            _write_cached(path, compute, tiers)
+        except ProfileError as e:
+            if strict:
+                raise
+            logger.warning("%s; it will be measured again next time", e)
     return compute, tiers

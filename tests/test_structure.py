@@ -1,0 +1,263 @@
+"""The package's import graph has no cycles, lazy imports (inside functions) included.
+
+Every module of `cacheblend_rag` (with `kernels/` and `integrations/` installed as `cacheblend_rag.kernels` and
+`cacheblend_rag.integrations`, as pyproject's package-dir maps them) is parsed with `ast`; each import of a
+module of the package becomes an edge, wherever it is written. An import runs the `__init__` of every package
+on the way to its target that the importer is not already inside, so those count as edges too; `from pkg
+import name` is an edge to `pkg.name` when that is a module, else to `pkg` (a re-export from its
+`__init__`); `importlib.import_module("...")` with a constant name counts as an import. Imports under
+`if TYPE_CHECKING:` never run and are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOP = "cacheblend_rag"
+ROOTS = {TOP: REPO / "cacheblend_rag", f"{TOP}.kernels": REPO / "kernels", f"{TOP}.integrations": REPO / "integrations"}
+
+
+@dataclass(frozen=True)
+class Module:
+    """A parsed module: its dotted name, whether it is a package `__init__`, and its source file."""
+
+    name: str
+    is_package: bool
+    path: Path
+
+
+def discover() -> dict[str, Module]:
+    """Every module of the package by dotted name."""
+    modules: dict[str, Module] = {}
+    for prefix, root in ROOTS.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts = parts[:-1]
+            modules[".".join([prefix, *parts])] = Module(".".join([prefix, *parts]), is_package, path)
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _is_import_module(node: ast.AST) -> bool:
+    """`importlib.import_module("<constant>", ...)` or `import_module("<constant>", ...)`."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Name) and func.id == "import_module") or (
+        isinstance(func, ast.Attribute) and func.attr == "import_module")
+
+
+def _import_nodes(tree: ast.AST):
+    """Import statements and `import_module("...")` calls anywhere in the tree (functions, classes, try
+    blocks), except under TYPE_CHECKING."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)) or _is_import_module(node):
+            yield node
+        children = list(ast.iter_child_nodes(node))
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            children = node.orelse
+        stack.extend(children)
+
+
+def _resolve_relative(module: Module, level: int, name: str | None) -> str:
+    """The absolute module named by `from <level dots><name> import ...` inside `module`."""
+    package = module.name.split(".") if module.is_package else module.name.split(".")[:-1]
+    if level - 1 > len(package) - 1:
+        raise ValueError(f"{module.path}: relative import beyond the top-level package")
+    base = package[: len(package) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def _with_packages(target: str, importer: str, modules: dict[str, Module]) -> list[str]:
+    """The target and the package `__init__`s an import of it runs on the way that the importer is not inside."""
+    parts = target.split(".")
+    own = importer.split(".")
+    chain = [".".join(parts[:i]) for i in range(1, len(parts)) if own[:i] != parts[:i]]
+    return [name for name in chain if name in modules] + [target]
+
+
+def imports_of(module: Module, modules: dict[str, Module]) -> dict[str, int]:
+    """Modules of the package that `module` imports (target → first line number)."""
+    tree = ast.parse(module.path.read_text(), filename=str(module.path))
+    found: dict[str, int] = {}
+
+    def add(target: str, line: int) -> None:
+        for name in _with_packages(target, module.name, modules):
+            if name != module.name:
+                found.setdefault(name, line)
+
+    for node in _import_nodes(tree):
+        if isinstance(node, ast.Call):  # import_module(name), relative names against this module's package
+            name = node.args[0].value
+            level = len(name) - len(name.lstrip("."))
+            target = _resolve_relative(module, level, name[level:] or None) if level else name
+            if target == TOP or target.startswith(TOP + "."):
+                add(target, node.lineno)
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == TOP or alias.name.startswith(TOP + "."):
+                    add(alias.name, node.lineno)
+            continue
+        base = _resolve_relative(module, node.level, node.module) if node.level else (node.module or "")
+        if not (base == TOP or base.startswith(TOP + ".")):
+            continue
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            add(sub if sub in modules else base, node.lineno)
+    return found
+
+
+def import_graph() -> tuple[dict[str, Module], dict[str, dict[str, int]]]:
+    """All modules and their intra-package import edges."""
+    modules = discover()
+    return modules, {name: imports_of(m, modules) for name, m in modules.items()}
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one module, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    counter = 0
+
+    def visit(root: str) -> None:  # iterative: no recursion limit on a deep graph
+        nonlocal counter
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            advanced = False
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(graph[nxt])))
+                    advanced = True
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return sorted(components)
+
+
+def describe(component: list[str], modules: dict[str, Module], graph: dict[str, dict[str, int]]) -> str:
+    """A cycle's modules and the import lines that close it."""
+    members = set(component)
+    lines = [f"cycle of {len(component)} modules: {', '.join(component)}"]
+    for name in component:
+        for target, line in sorted(graph[name].items()):
+            if target in members:
+                lines.append(f"  {modules[name].path.relative_to(REPO)}:{line}  {name} -> {target}")
+    return "\n".join(lines)
+
+
+# ---- the checker itself, on a package written for the purpose ----------------------------------------------
+
+
+def _graph_of(tmp_path: Path, files: dict[str, str], monkeypatch) -> dict[str, dict[str, int]]:
+    for rel, text in files.items():
+        path = tmp_path / "cacheblend_rag" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    monkeypatch.setitem(ROOTS, TOP, tmp_path / "cacheblend_rag")
+    monkeypatch.delitem(ROOTS, f"{TOP}.kernels")
+    monkeypatch.delitem(ROOTS, f"{TOP}.integrations")
+    return import_graph()[1]
+
+
+def test_checker_finds_lazy_relative_and_reexport_cycles(tmp_path, monkeypatch):
+    graph = _graph_of(tmp_path, {
+        "__init__.py": "from .engine import Engine\n",
+        "engine.py": "from .loading import profile\nclass Engine: ...\n",
+        "loading/__init__.py": "from .layers import read\n",
+        "loading/layers.py": "def read(): ...\n",
+        "loading/profile.py": "def measure():\n    from ..engine import Engine\n",  # lazy, inside a function
+        "bench/__init__.py": "",
+        "bench/a.py": "from cacheblend_rag.bench import b\n",  # absolute
+        "bench/b.py": "def main():\n    from . import a\n",
+        "pkg/__init__.py": "from .user import thing\nVALUE = 1\n",
+        "pkg/user.py": "from . import VALUE\nthing = VALUE\n",  # a re-export from the __init__ that imports it
+        "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .engine import Engine\n",
+        "models/__init__.py": "import importlib\ndef get(name):\n    return importlib.import_module('.adapter', __name__)\n",
+        "models/adapter.py": "from importlib import import_module\nimport_module('cacheblend_rag.models')\n",
+    }, monkeypatch)
+    assert graph["cacheblend_rag.engine"] == {"cacheblend_rag.loading": 1, "cacheblend_rag.loading.profile": 1}
+    assert "cacheblend_rag.engine" in graph["cacheblend_rag.loading.profile"]
+    assert graph["cacheblend_rag.loading.profile"] == {"cacheblend_rag.engine": 2}  # its own package is running
+    assert graph["cacheblend_rag.typed"] == {}
+    assert strongly_connected(graph) == [
+        ["cacheblend_rag.bench.a", "cacheblend_rag.bench.b"],
+        ["cacheblend_rag.engine", "cacheblend_rag.loading.profile"],
+        ["cacheblend_rag.models", "cacheblend_rag.models.adapter"],  # a registry imported lazily, by name
+        ["cacheblend_rag.pkg", "cacheblend_rag.pkg.user"],
+    ]
+
+
+def test_checker_passes_a_package_that_imports_downstream_only(tmp_path, monkeypatch):
+    graph = _graph_of(tmp_path, {
+        "__init__.py": "from .engine import Engine\n",
+        "engine.py": "from .store import Store\nclass Engine: ...\n",
+        "store/__init__.py": "from .disk import Store\n",
+        "store/disk.py": "import os\nclass Store: ...\n",
+        "bench/__init__.py": "",
+        "bench/command.py": "def run():\n    from ..engine import Engine\n    from . import report\n",
+        "bench/report.py": "from cacheblend_rag.store.disk import Store\n",
+    }, monkeypatch)
+    assert strongly_connected(graph) == []
+
+
+# ---- the package ---------------------------------------------------------------------------------------
+
+
+def test_every_module_parses_and_is_reached():
+    modules, graph = import_graph()
+    assert f"{TOP}.engine" in modules and f"{TOP}.kernels" in modules and f"{TOP}.integrations.langchain" in modules
+    assert f"{TOP}.engine" in graph[TOP]  # the top-level __init__ re-exports the engine
+
+
+def test_no_import_cycles_inside_the_package():
+    modules, graph = import_graph()
+    cycles = strongly_connected(graph)
+    if cycles:
+        pytest.fail("import cycles inside cacheblend_rag (lazy imports included):\n"
+                    + "\n".join(describe(c, modules, graph) for c in cycles), pytrace=False)
