@@ -31,3 +31,13 @@ def kv_dir(home: str | os.PathLike[str] | None = None) -> Path:
 def chroma_dir(home: str | os.PathLike[str] | None = None) -> Path:
     """Default folder of the embedded Chroma database."""
     return home_dir(home) / "chroma"
+
+
+ENV_API_KEY = "CACHEBLEND_RAG_API_KEY"
+
+
+def api_key(override: str | None = None) -> str | None:
+    """The key `cacheblend-rag serve` requires (`--api-key`, else $CACHEBLEND_RAG_API_KEY); None: no auth."""
+    if override is not None:
+        return override
+    return os.environ.get(ENV_API_KEY) or None
