@@ -389,3 +389,36 @@ def test_scheduler_bounds_its_queue_and_skips_cancelled_jobs():
         assert ran == [0]
 
     asyncio.run(main())
+
+
+def test_run_job_streams_then_finishes_and_stops_a_cancelled_or_late_job(tokenizer):
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.serve.runner import EngineCall, Retriever, Sampling, run_job
+    from cacheblend_rag.serve.scheduler import Cancelled, Done, Failed, Job, Piece, RequestTimeout
+
+    from conftest import tiny_model
+
+    engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, None)
+    call = EngineCall(question="What is in the passage?", sampling=Sampling(max_new_tokens=6),
+                      documents=("A short passage about bees and their five eyes.",))
+
+    async def run(deadline_s: float, cancel: bool = False) -> list:
+        job = Job(call, asyncio.get_running_loop(), deadline=time.monotonic() + deadline_s)
+        if cancel:
+            job.cancel()
+        await asyncio.to_thread(run_job, engine, Retriever(None), job)
+        await asyncio.sleep(0)
+        return [job.events.get_nowait() for _ in range(job.events.qsize())]
+
+    async def main() -> tuple[list, list, list]:
+        return await run(120), await run(120, cancel=True), await run(-1)
+
+    finished, cancelled, late = asyncio.run(main())
+    assert isinstance(finished[-1], Done) and all(isinstance(e, Piece) for e in finished[:-1])
+    assert finished[:-1], "a random model still writes something"
+    done = finished[-1]
+    assert done.stats["num_generated"] <= 6 and done.stats["chunk_misses"]
+    assert done.finish_reason == ("length" if done.stats["num_generated"] == 6 else "stop")
+    # stopped at the first piece: nothing is relayed, the stream is closed
+    assert len(cancelled) == 1 and isinstance(cancelled[0], Failed) and isinstance(cancelled[0].error, Cancelled)
+    assert len(late) == 1 and isinstance(late[0], Failed) and isinstance(late[0].error, RequestTimeout)

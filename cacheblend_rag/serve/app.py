@@ -240,7 +240,8 @@ class _Server:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if body.stream:
                 streaming = True
-                return StreamingResponse(self._stream(job, first, body, chat, rid, ttft_s), media_type="text/event-stream",
+                return StreamingResponse(self._stream(job, first, body, chat, rid, ttft_s),
+                                         media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             texts, event = [], first
             while not isinstance(event, Done):
