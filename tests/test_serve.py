@@ -8,6 +8,7 @@ one is stopped with SIGTERM while a request is in flight. The scheduler's queue 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -167,7 +168,7 @@ def test_stream_matches_the_answer_and_ends_with_usage(client):
     chunks = list(_chat(client, extra_body=body, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
+    assert text.rstrip() == whole.choices[0].message.content  # a JSON answer is stripped, like engine.generate's
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
@@ -312,6 +313,34 @@ def test_client_disconnect_mid_stream_does_not_break_the_next_request(server, cl
     server.wait_for(lambda h: h["running"] == 0 and h["queue_depth"] == 0, "the engine idle again")
     out = _chat(client, max_tokens=4, extra_body={"documents": DOCS})
     assert out.choices[0].message.content and out.usage.model_extra["cacheblend"]["chunk_hits"] == 2
+
+
+def _metric(server, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_client_gone_while_queued_is_cancelled(server, client):
+    gone_before = _metric(server, "cacheblend_requests_total", status="499")
+    running = _chat(client, stream=True, max_tokens=64, extra_body={"documents": DOCS})
+    next(iter(running))  # on the engine
+    body = json.dumps({"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": QUESTION}]}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:  # a non-streaming request, then hang up
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        server.wait_for(lambda h: h["queue_depth"] == 1, "the second request queued")
+    deadline = time.monotonic() + 300
+    while _metric(server, "cacheblend_requests_total", status="499") == gone_before:
+        assert time.monotonic() < deadline, "the abandoned request was never cancelled"
+        time.sleep(0.1)
+    assert any(c.choices and c.choices[0].finish_reason for c in running)
+    server.wait_for(lambda h: h["running"] == 0 and h["queue_depth"] == 0, "the engine idle again")
+    assert _chat(client, max_tokens=2).choices[0].message.content is not None
 
 
 @pytest.mark.model

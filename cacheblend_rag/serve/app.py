@@ -243,11 +243,15 @@ class _Server:
                 return StreamingResponse(self._stream(job, first, body, chat, rid, ttft_s),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            texts, event = [], first
+            texts, event, checked = [], first, time.monotonic()
             while not isinstance(event, Done):
                 if isinstance(event, Failed):
                     raise api_error(event.error)
                 texts.append(event.text)
+                if time.monotonic() - checked > self.config.poll_s:  # pieces keep coming: is anyone still there?
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise api_error(Cancelled("the client disconnected"))
                 try:
                     event = await job.next_event(self.config.poll_s, request.is_disconnected)
                 except (RequestTimeout, Cancelled) as e:
