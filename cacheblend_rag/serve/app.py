@@ -169,7 +169,8 @@ class _Server:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.config.model_name!r} (GET /v1/models)", code="model_not_found")
 
-    def _call(self, body: _Generation, question: str, system: str | None, default_max_tokens: int) -> EngineCall:
+    def _call(self, body: _Generation, question: str, system: str | None, default_max_tokens: int,
+              messages: tuple[dict, ...] = ()) -> EngineCall:
         documents: list[str] = []
         for doc in body.documents or []:
             documents.append(doc if isinstance(doc, str) else (doc.text if doc.text is not None else doc.id or ""))
@@ -178,6 +179,7 @@ class _Server:
         return EngineCall(
             question=question,
             system=system,
+            messages=messages,
             documents=tuple(documents),
             retrieval=(body.retrieval.collection, body.retrieval.k) if body.retrieval else None,
             method=opts.method,
@@ -195,9 +197,10 @@ class _Server:
             if not users:
                 raise APIError(400, "messages need at least one user message (the question)", code="invalid_value")
             question = users[-1].text()
+            messages = tuple({"role": m.role, "content": m.text()} for m in body.messages)
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from e
-        return self._call(body, question, system, self.config.default_max_tokens)
+        return self._call(body, question, system, self.config.default_max_tokens, messages)
 
     def completion_call(self, body: CompletionRequest) -> EngineCall:
         """A completion prompt → engine call (the prompt is the question)."""

@@ -35,9 +35,10 @@ class Sampling:
 class EngineCall:
     """One request as the engine needs it, validated by the routes."""
 
-    question: str
+    question: str  # the last user message, or the completion prompt
     sampling: Sampling
     system: str | None = None  # a chat's system message
+    messages: tuple[dict, ...] = ()  # the whole chat as {"role", "content": text} (empty for a completion)
     documents: tuple[str, ...] = ()  # passage texts or chunk ids, in prompt order
     retrieval: tuple[str, int] | None = None  # (collection, k)
     method: str = "cacheblend"
