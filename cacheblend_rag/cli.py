@@ -2,6 +2,7 @@
 
     cacheblend-rag ingest PATH... [--home DIR] [--model NAME]
     cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]
+    cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
 
 Subcommands are added by the functions in `REGISTRARS`; each takes the argparse subparsers object, adds its
 parser and sets `func` (called with the parsed args, returning an exit code). To add one (e.g. `bench`),
@@ -226,6 +227,23 @@ def _add_bench(subparsers) -> None:
 
 
 REGISTRARS.append(_add_bench)
+
+
+# ---- serve --------------------------------------------------------------------------------
+
+
+def _add_serve(subparsers) -> None:
+    from .serve.command import add_arguments, run_cli
+
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (chat/completions with documents)",
+                              description="Serve the engine over HTTP: OpenAI-compatible /v1/chat/completions and "
+                              "/v1/completions (with documents, chunk_ids, retrieval and cacheblend options), "
+                              "/v1/models, /health and Prometheus /metrics. Binds 127.0.0.1 by default.")
+    add_arguments(p)
+    p.set_defaults(func=run_cli)
+
+
+REGISTRARS.append(_add_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,3 +40,13 @@ def musique_dataset() -> Path | None:
     """The benchmark's MuSiQue-style dataset from $CACHEBLEND_RAG_MUSIQUE; None when it is not set."""
     env = os.environ.get(ENV_MUSIQUE)
     return Path(env).expanduser() if env else None
+
+
+ENV_API_KEY = "CACHEBLEND_RAG_API_KEY"
+
+
+def api_key(override: str | None = None) -> str | None:
+    """The key `cacheblend-rag serve` requires (`--api-key`, else $CACHEBLEND_RAG_API_KEY); None: no auth."""
+    if override is not None:
+        return override
+    return os.environ.get(ENV_API_KEY) or None

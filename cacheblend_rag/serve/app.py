@@ -1,0 +1,411 @@
+"""The OpenAI-compatible HTTP app: routes, errors, auth and streaming over one engine.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions` (JSON or SSE), `GET /v1/models`, `GET /health`,
+`GET /metrics`. Every error is `{"error": {"message", "type", "code"}}` with its HTTP status. Engine work runs on
+the scheduler's worker thread; handlers only queue a job and relay its events, so the event loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import CacheBlendError, ChunkError, ConfigError, MissingDependencyError, PromptTooLongError
+from .metrics import ServerMetrics
+from .runner import EngineCall, Retriever, Sampling, run_job
+from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
+from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of one server."""
+
+    model_name: str  # the name clients send as `model`
+    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer <key>`
+    max_queue: int = 16  # requests that may wait for the engine; one more gets 429
+    timeout_s: float = 300.0  # per request, from arrival to the last token
+    default_max_tokens: int = 256  # when a request sets no max_tokens
+    home: str | None = None  # package home of the Chroma collections used by `retrieval`
+    chroma_host: str | None = None
+    chroma_port: int | None = None
+    poll_s: float = 0.5  # how often a waiting non-streaming request checks that its client is still there
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise ConfigError(f"max_queue must be ≥ 1, got {self.max_queue}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens must be ≥ 1, got {self.default_max_tokens}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("the API key must not be empty")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: `{"error": {"message", "type", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.headers = status, message, type, code, headers
+
+    def body(self) -> dict:
+        """The JSON body."""
+        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        """The HTTP response."""
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def api_error(exc: BaseException) -> APIError:
+    """The API error for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, (ConfigError, ChunkError)):
+        return APIError(400, str(exc), code="invalid_value")
+    if isinstance(exc, RequestTimeout):
+        return APIError(504, f"{exc}; retry with fewer documents or a smaller max_tokens", "timeout_error", "timeout")
+    if isinstance(exc, Cancelled):
+        return APIError(499, str(exc), "cancelled", "cancelled")
+    if isinstance(exc, MissingDependencyError):
+        return APIError(500, str(exc), "server_error", "missing_dependency")
+    if isinstance(exc, CacheBlendError):
+        return APIError(500, str(exc), "server_error", type(exc).__name__)
+    logger.error("request failed", exc_info=(type(exc), exc, exc.__traceback__))
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", "internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+class _CountRequests:
+    """ASGI middleware counting answered requests by route and status."""
+
+    def __init__(self, app, metrics: ServerMetrics, routes: set[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _usage(stats: dict, job: Job, ttft_s: float | None) -> dict:
+    """OpenAI's usage, with cached tokens, plus the CacheBlend stats."""
+    prompt = int(stats.get("num_tokens", 0))
+    completion = int(stats.get("num_generated", 0))
+    cached = int(stats.get("num_reused", 0)) + int(stats.get("num_exact_cached", 0))
+    hits, misses = list(stats.get("chunk_hits", ())), list(stats.get("chunk_misses", ()))
+    timing = stats.get("timing", {})
+    cacheblend = {
+        "method": stats.get("method"),
+        "chunk_hits": len(hits), "chunk_misses": len(misses), "hit_ids": hits, "miss_ids": misses,
+        "reused_tokens": int(stats.get("num_reused", 0)), "exact_cached_tokens": int(stats.get("num_exact_cached", 0)),
+        "recomputed_tokens": int(stats.get("num_recomputed", 0)),
+        "recomputed_share": float(stats.get("recompute_ratio_effective", 0.0)),
+        "recompute_ratio": stats.get("recompute_ratio"),
+        "prefill_s": stats.get("ttft_s"),  # the engine's time to first token
+        "ttft_s": ttft_s,  # from the request's arrival, queueing included
+        "queue_s": (job.started - job.arrived) if job.started is not None else None,
+        "decode_s": timing.get("decode_s"),
+    }
+    if "num_retrieved" in stats:
+        cacheblend["num_retrieved"] = stats["num_retrieved"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}, "cacheblend": cacheblend}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Server:
+    """The app's state: engine, scheduler, metrics, config; the handlers are its methods."""
+
+    def __init__(self, engine, config: ServeConfig) -> None:
+        self.engine, self.config = engine, config
+        self.retriever = Retriever(config.home, config.chroma_host, config.chroma_port)
+        self.scheduler = Scheduler(lambda job: run_job(engine, self.retriever, job), config.max_queue)
+        self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size)
+        self.created = int(time.time())
+        self._mean_latency_s: float | None = None
+
+    # ---- requests to engine calls ---------------------------------------------------------
+
+    def _check_model(self, body: _Generation) -> None:
+        if body.model != self.config.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{self.config.model_name!r} (GET /v1/models)", code="model_not_found")
+
+    def _call(self, body: _Generation, question: str, system: str | None, default_max_tokens: int,
+              messages: tuple[dict, ...] = ()) -> EngineCall:
+        documents: list[str] = []
+        for doc in body.documents or []:
+            documents.append(doc if isinstance(doc, str) else (doc.text if doc.text is not None else doc.id or ""))
+        documents += body.chunk_ids or []
+        opts = body.cacheblend
+        return EngineCall(
+            question=question,
+            system=system,
+            messages=messages,
+            documents=tuple(documents),
+            retrieval=(body.retrieval.collection, body.retrieval.k) if body.retrieval else None,
+            method=opts.method,
+            recompute_ratio=opts.recompute_ratio,
+            policy_options=opts.policy_options(),
+            sampling=Sampling(body.new_tokens(default_max_tokens), body.temperature, body.top_p,
+                              tuple(body.stop or ()), body.seed),
+        )
+
+    def chat_call(self, body: ChatCompletionRequest) -> EngineCall:
+        """Chat messages → engine call: the last user message is the question, system messages the system text."""
+        try:
+            system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer")) or None
+            users = [m for m in body.messages if m.role == "user"]
+            if not users:
+                raise APIError(400, "messages need at least one user message (the question)", code="invalid_value")
+            question = users[-1].text()
+            messages = tuple({"role": m.role, "content": m.text()} for m in body.messages)
+        except ValueError as e:
+            raise APIError(400, str(e), code="invalid_value") from e
+        return self._call(body, question, system, self.config.default_max_tokens, messages)
+
+    def completion_call(self, body: CompletionRequest) -> EngineCall:
+        """A completion prompt → engine call (the prompt is the question)."""
+        return self._call(body, body.prompt_text(), None, self.config.default_max_tokens)
+
+    # ---- running a job ----------------------------------------------------------------------
+
+    def _retry_after(self) -> str:
+        mean = self._mean_latency_s or 1.0
+        return str(max(1, math.ceil(mean * (self.scheduler.depth() + 1))))
+
+    def _submit(self, call: EngineCall) -> Job:
+        job = Job(call, asyncio.get_running_loop(), deadline=time.monotonic() + self.config.timeout_s)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy ({e}); retry later", "rate_limit_error", "queue_full",
+                           headers={"Retry-After": self._retry_after()}) from e
+        return job
+
+    def _finished(self, job: Job, stats: dict, ttft_s: float | None) -> dict:
+        usage = _usage(stats, job, ttft_s)
+        latency = time.monotonic() - job.arrived
+        self.metrics.observe_finished(usage, stats, ttft_s, latency)
+        self._mean_latency_s = latency if self._mean_latency_s is None else 0.8 * self._mean_latency_s + 0.2 * latency
+        return usage
+
+    async def respond(self, request: Request, body: _Generation, call: EngineCall, chat: bool):
+        """Queue the call and answer with JSON, or with SSE once the first piece (or an error) is known."""
+        job = self._submit(call)
+        streaming = False
+        try:
+            try:
+                first = await job.next_event(self.config.poll_s, request.is_disconnected)
+            except (RequestTimeout, Cancelled) as e:
+                raise api_error(e) from e
+            if isinstance(first, Failed):
+                raise api_error(first.error)
+            ttft_s = time.monotonic() - job.arrived
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            if body.stream:
+                streaming = True
+                return StreamingResponse(self._stream(job, first, body, chat, rid, ttft_s),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            texts, event, checked = [], first, time.monotonic()
+            while not isinstance(event, Done):
+                if isinstance(event, Failed):
+                    raise api_error(event.error)
+                texts.append(event.text)
+                if time.monotonic() - checked > self.config.poll_s:  # pieces keep coming: is anyone still there?
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise api_error(Cancelled("the client disconnected"))
+                try:
+                    event = await job.next_event(self.config.poll_s, request.is_disconnected)
+                except (RequestTimeout, Cancelled) as e:
+                    raise api_error(e) from e
+            usage = self._finished(job, event.stats, ttft_s)
+            text = "".join(texts).strip()
+            choice: dict = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                    "model": self.config.model_name, "choices": [choice], "usage": usage}
+        finally:
+            if not streaming:
+                job.cancel()  # a no-op once the job is done; stops it when the handler failed or its client left
+
+    async def _stream(self, job: Job, first: Piece | Done, body: _Generation, chat: bool, rid: str,
+                      ttft_s: float) -> AsyncIterator[str]:
+        """SSE chunks: the role, content deltas, the finish reason, usage (if asked), then [DONE]."""
+        created, model = int(time.time()), self.config.model_name
+        include_usage = body.include_usage()
+
+        def chunk(content: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+            if chat:
+                delta: dict = {"role": "assistant"} if role else {}
+                if content is not None:
+                    delta["content"] = content
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": content or "", "finish_reason": finish_reason, "logprobs": None}
+            out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                   "model": model, "choices": [choice]}
+            if include_usage:
+                out["usage"] = None
+            return out
+
+        try:
+            if chat:
+                yield _sse(chunk("", role=True))
+            event: Piece | Done | Failed = first
+            leading = True  # strip the answer's leading whitespace, as the non-streaming answer is stripped
+            while True:
+                if isinstance(event, Piece):
+                    text = event.text.lstrip() if leading else event.text
+                    if text:
+                        leading = False
+                        yield _sse(chunk(text))
+                elif isinstance(event, Done):
+                    usage = self._finished(job, event.stats, ttft_s)
+                    yield _sse(chunk(None if chat else "", event.finish_reason))
+                    if include_usage:
+                        yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                    "created": created, "model": model, "choices": [], "usage": usage})
+                    break
+                else:
+                    yield _sse(api_error(event.error).body())
+                    break
+                try:
+                    event = await job.next_event(self.config.poll_s)  # a disconnect cancels this coroutine
+                except RequestTimeout as e:
+                    yield _sse(api_error(e).body())
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()  # the client left (or the stream ended): the worker stops at its next piece
+
+    # ---- plain routes -----------------------------------------------------------------------
+
+    def model_card(self) -> dict:
+        """The one model, as /v1/models lists it."""
+        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "cacheblend-rag",
+                "max_model_len": int(self.engine.adapter.max_positions)}
+
+
+def create_app(engine, config: ServeConfig) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan starts and stops the engine's worker thread."""
+    server = _Server(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.scheduler.start()
+        logger.info("serving %r (queue %d, timeout %.0f s, auth %s)", config.model_name, config.max_queue,
+                    config.timeout_s, "on" if config.api_key else "off")
+        try:
+            yield
+        finally:  # uvicorn has finished the in-flight requests by now
+            await asyncio.to_thread(server.scheduler.stop, config.timeout_s)
+
+    async def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(title="cacheblend-rag", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return APIError(400, _validation_message(exc), code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), kind, code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return api_error(exc).response()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": config.model_name, "queue_depth": server.scheduler.depth(),
+                "running": server.scheduler.batch_size()}
+
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=server.metrics.content_type)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict:
+        return {"object": "list", "data": [server.model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorize)])
+    async def model(model: str) -> dict:
+        if model != config.model_name:
+            raise APIError(404, f"the model {model!r} does not exist", code="model_not_found")
+        return server.model_card()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server._check_model(body)
+        return await server.respond(request, body, server.chat_call(body), chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        server._check_model(body)
+        return await server.respond(request, body, server.completion_call(body), chat=False)
+
+    routes = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+    app.add_middleware(_CountRequests, metrics=server.metrics, routes=routes)
+    return app
+
+
+__all__ = ["APIError", "ServeConfig", "api_error", "create_app"]

@@ -1,0 +1,85 @@
+"""The `serve` subcommand: load the engine, then run the app under uvicorn until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import signal
+from pathlib import Path
+
+from .. import settings
+from ..errors import MissingDependencyError
+from ..models.loader import DEFAULT_MODEL, PACKAGED_GGUF
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve options."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on every route but /health "
+                   f"(default ${settings.ENV_API_KEY}; unset: no auth)")
+    p.add_argument("--home", help=f"package home (models, KV store, Chroma); overrides ${settings.ENV_HOME}")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged model alias or local model folder "
+                   f"(default {DEFAULT_MODEL})")
+    p.add_argument("--served-model-name", help="the name clients send as `model` (default: --model, or the "
+                   "folder's name for a path)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; more get "
+                   "429 (default 16)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, queueing included "
+                   "(default 300)")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens when a request sets none (default 256)")
+    p.add_argument("--chroma-host", help="Chroma server for `retrieval` (default: the embedded database under --home)")
+    p.add_argument("--chroma-port", type=int, help="Chroma server port")
+    p.add_argument("-v", "--verbose", action="store_true", help="log INFO messages and every request to stderr")
+
+
+def served_name(model: str, override: str | None = None) -> str:
+    """The model name the server answers to."""
+    if override:
+        return override
+    return model if model in PACKAGED_GGUF else Path(model).expanduser().name
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Load the engine and serve until stopped; SIGTERM finishes in-flight requests, then exits 0."""
+    try:
+        import uvicorn
+
+        from .app import ServeConfig, create_app
+    except ImportError as e:
+        raise MissingDependencyError(f"serving needs {e.name}: pip install 'cacheblend-rag[serve]'") from e
+    from ..engine import CacheBlendEngine
+
+    config = ServeConfig(model_name=served_name(args.model, args.served_model_name),
+                         api_key=settings.api_key(args.api_key), max_queue=args.max_queue, timeout_s=args.timeout,
+                         default_max_tokens=args.max_tokens, home=args.home, chroma_host=args.chroma_host,
+                         chroma_port=args.chroma_port)
+    if not _is_loopback(args.host) and config.api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
+    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
+                                              dtype=args.dtype, home=args.home)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(engine, config), host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+        access_log=args.verbose, timeout_graceful_shutdown=None,  # wait for in-flight requests, however long
+    ))
+    # uvicorn handles SIGTERM/SIGINT (stop accepting, finish in-flight requests, run the lifespan's shutdown),
+    # then raises the signal again for the previous handler; a graceful stop is a clean exit, so ignore it here.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1

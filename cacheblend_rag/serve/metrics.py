@@ -1,0 +1,63 @@
+"""Prometheus metrics of one server, in their own registry (several apps in one process never collide)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class ServerMetrics:
+    """Counters, histograms and gauges of the server; `render()` is the /metrics body."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, queue_depth: Callable[[], int], batch_size: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("cacheblend_requests", "Requests answered, by route and HTTP status",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("cacheblend_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("cacheblend_cached_prompt_tokens",
+                                     "Prompt tokens whose KV came from the cache", registry=r)
+        self.completion_tokens = Counter("cacheblend_completion_tokens", "Generated tokens", registry=r)
+        self.kv_hits = Counter("cacheblend_kv_chunk_hits", "Chunks whose KV was found in the store", registry=r)
+        self.kv_misses = Counter("cacheblend_kv_chunk_misses", "Chunks whose KV had to be computed", registry=r)
+        self.ttft = Histogram("cacheblend_time_to_first_token_seconds",
+                              "From the request's arrival to its first token (queueing included)",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("cacheblend_prefill_seconds", "The engine's fused prefill (its TTFT)",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_per_token = Histogram("cacheblend_time_per_output_token_seconds",
+                                          "Decode time per generated token after the first",
+                                          buckets=_PER_TOKEN_BUCKETS, registry=r)
+        self.latency = Histogram("cacheblend_request_latency_seconds", "From arrival to the last token",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("cacheblend_queue_depth", "Requests waiting for the engine", registry=r)
+        self.queue_depth.set_function(queue_depth)
+        self.batch_size = Gauge("cacheblend_batch_size", "Sequences the engine is working on now", registry=r)
+        self.batch_size.set_function(batch_size)
+
+    def observe_finished(self, usage: dict, stats: dict, ttft_s: float | None, latency_s: float) -> None:
+        """Record one request that produced an answer."""
+        self.prompt_tokens.inc(usage["prompt_tokens"])
+        self.completion_tokens.inc(usage["completion_tokens"])
+        self.cached_tokens.inc(usage["prompt_tokens_details"]["cached_tokens"])
+        self.kv_hits.inc(len(stats.get("chunk_hits", ())))
+        self.kv_misses.inc(len(stats.get("chunk_misses", ())))
+        if "ttft_s" in stats:
+            self.prefill.observe(stats["ttft_s"])
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        self.latency.observe(latency_s)
+        decode_s = stats.get("timing", {}).get("decode_s")
+        generated = stats.get("num_generated", 0)
+        if decode_s is not None and generated > 1:
+            self.decode_per_token.observe(decode_s / generated)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

@@ -1,0 +1,101 @@
+"""What the worker thread does with one request: gather its chunks, run the engine, hand back pieces and stats.
+
+`_run_request` is the one place an API request meets the engine. Today it maps a request onto
+`engine.stream(chunks, question, template=...)`: the chunks are `documents` + `chunk_ids` + retrieved passages,
+the question is the last user message (or the completion prompt), a system message becomes the template's
+system text, and earlier turns are not sent. When the engine can find stored chunks inside any prompt
+(`engine.stream_prompt`), only this function changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..fuse.layout import PromptTemplate
+from .scheduler import Done, Failed, Job, Piece
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Decoding settings of one request."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One request as the engine needs it, validated by the routes."""
+
+    question: str  # the last user message, or the completion prompt
+    sampling: Sampling
+    system: str | None = None  # a chat's system message
+    messages: tuple[dict, ...] = ()  # the whole chat as {"role", "content": text} (empty for a completion)
+    documents: tuple[str, ...] = ()  # passage texts or chunk ids, in prompt order
+    retrieval: tuple[str, int] | None = None  # (collection, k)
+    method: str = "cacheblend"
+    recompute_ratio: float | str | None = None
+    policy_options: dict = field(default_factory=dict)
+
+
+class Retriever:
+    """The server's Chroma collections, opened on first use (in the worker thread) and kept."""
+
+    def __init__(self, home: str | os.PathLike[str] | None, host: str | None = None, port: int | None = None) -> None:
+        self.home, self.host, self.port = home, host, port
+        self._stores: dict[str, object] = {}
+
+    def query(self, collection: str, question: str, k: int) -> list[str]:
+        """Texts of the `k` chunks most similar to the question, best first."""
+        store = self._stores.get(collection)
+        if store is None:
+            from ..retrieval.chroma import ChromaChunkStore
+
+            store = self._stores[collection] = ChromaChunkStore(self.home, collection, host=self.host, port=self.port)
+        return [hit.text for hit in store.query(question, k)]
+
+
+def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) -> Iterator[str]:
+    """Text pieces of the answer; `stats` gets the engine's stats (and `retrieved`, the retrieved passages' count)."""
+    chunks = list(call.documents)
+    if call.retrieval is not None:
+        collection, k = call.retrieval
+        retrieved = retriever.query(collection, call.question, k)
+        stats["num_retrieved"] = len(retrieved)
+        chunks += retrieved
+    template = PromptTemplate(system=call.system) if call.system else None
+    s = call.sampling
+    return engine.stream(chunks, call.question, call.method, call.recompute_ratio, max_new_tokens=s.max_new_tokens,
+                         temperature=s.temperature, top_p=s.top_p, stop=list(s.stop) or None, seed=s.seed,
+                         template=template, stats=stats, **call.policy_options)
+
+
+def run_job(engine, retriever: Retriever, job: Job) -> None:
+    """Run one job on the worker thread: emit its pieces, then Done (or Failed); stop early when asked to."""
+    stats: dict = {}
+    pieces = _run_request(engine, retriever, job.call, stats)
+    stopped: BaseException | None = None
+    try:
+        for piece in pieces:
+            stopped = job.should_stop()
+            if stopped is not None:
+                break
+            job.emit(Piece(piece))
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()  # a stream closed early stops decoding
+    if stopped is not None:
+        logger.debug("request stopped early: %s", stopped)
+        job.emit(Failed(stopped))
+        return
+    generated = int(stats.get("num_generated", 0))
+    job.emit(Done(stats, "length" if generated >= job.call.sampling.max_new_tokens else "stop"))

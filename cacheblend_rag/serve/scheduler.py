@@ -1,0 +1,176 @@
+"""The request queue and the engine's worker thread.
+
+    event loop (HTTP)                         worker thread (engine)
+    ─────────────────                         ──────────────────────
+    submit(job) ──▶ [ bounded queue ] ──▶ run(job): prefill, decode ──▶ job.emit(Piece | Done | Failed)
+       │ full: QueueFull (429)                   checks job.should_stop() between pieces
+    await job.next_event() ◀──────────── loop.call_soon_threadsafe ◀──┘
+
+The engine serves one request at a time (it holds a lock), so one worker runs jobs in arrival order; the event
+loop only queues, waits and writes bytes, so /health, /metrics and 429s answer while a request runs. A job that
+is cancelled (client gone, timeout) stops at its next piece; one cancelled while queued is skipped.
+
+Phase 2 (continuous batching) replaces `Scheduler` with one that prefills a job and then adds it to a running
+decode batch: the same `submit`/`depth`/`batch_size`/`stop` and the same job events, so the routes do not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The bounded queue has no room: answer 429."""
+
+
+class RequestTimeout(Exception):
+    """The request ran past its deadline."""
+
+
+class Cancelled(Exception):
+    """The request was cancelled (its client went away, or the server is stopping)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of generated text."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The request finished: the engine's stats (num_tokens, num_generated, chunk hits, timing, ...)."""
+
+    stats: dict
+    finish_reason: str  # "stop" or "length"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed with `error`."""
+
+    error: BaseException
+
+
+Event = Piece | Done | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the worker; `call` is what the runner needs (the routes build it)."""
+
+    call: Any
+    loop: asyncio.AbstractEventLoop
+    deadline: float  # time.monotonic() past which the job stops
+    arrived: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when the worker took it
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the request's coroutine (thread-safe)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Ask the worker to stop this job at its next piece (or skip it if it has not started)."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the job was cancelled."""
+        return self._cancelled.is_set()
+
+    def should_stop(self) -> BaseException | None:
+        """Why the job must stop now, or None to go on."""
+        if self._cancelled.is_set():
+            return Cancelled("the request was cancelled")
+        if time.monotonic() > self.deadline:
+            return RequestTimeout("the request ran past the server's timeout")
+        return None
+
+    async def next_event(self, poll_s: float, is_gone: Callable[[], Any] | None = None) -> Event:
+        """The next event; raises RequestTimeout at the deadline and Cancelled when `await is_gone()` says so."""
+        while True:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeout("the request ran past the server's timeout")
+            try:
+                return await asyncio.wait_for(self.events.get(), min(remaining, poll_s))
+            except TimeoutError:
+                if is_gone is not None and await is_gone():
+                    raise Cancelled("the client disconnected") from None
+
+
+_STOP = object()
+
+
+class Scheduler:
+    """A bounded FIFO of jobs and one worker thread that runs them with `run(job)`, one at a time."""
+
+    def __init__(self, run: Callable[[Job], None], max_queue: int) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be ≥ 1, got {max_queue}")
+        self._run = run
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread: threading.Thread | None = None
+        self._running = 0
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="cacheblend-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises QueueFull when `max_queue` jobs already wait."""
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+
+    def depth(self) -> int:
+        """Jobs waiting (not counting the running one)."""
+        return self._queue.qsize()
+
+    def batch_size(self) -> int:
+        """Jobs the engine is working on now (0 or 1 until decoding is batched)."""
+        return self._running
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Let the worker finish the queued jobs, then end it."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            reason = job.should_stop()
+            if reason is not None:  # cancelled or timed out while it waited
+                job.emit(Failed(reason))
+                continue
+            job.started = time.monotonic()
+            self._running = 1
+            try:
+                self._run(job)
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to its request, the worker lives on
+                job.emit(Failed(e))
+            finally:
+                self._running = 0

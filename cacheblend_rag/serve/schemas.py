@@ -1,0 +1,234 @@
+"""Request bodies of the OpenAI-compatible routes, with the RAG extensions, as pydantic models.
+
+OpenAI fields this server does not use (`logprobs`, `presence_penalty`, `user`, ...) are accepted and ignored,
+as other OpenAI-compatible servers do, so stock clients work unchanged; fields whose values it cannot honour
+(`n > 1`, `best_of > 1`) are rejected with a 400. The RAG extensions (`documents`, `chunk_ids`, `retrieval`,
+`cacheblend`) are strict: an unknown key or an out-of-range value is a 400 that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..fuse.policies import METHODS
+from ..ingest.chunks import looks_like_chunk_id
+
+MAX_STOP = 4  # as OpenAI
+
+
+class Document(BaseModel):
+    """A passage given inline: its text, with an optional client-side id (echoed in the stats)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None
+    """The client's label for the passage; with no `text`, a stored chunk id."""
+    text: str | None = None
+    """The passage; its KV is computed once and reused by later requests that send the same text."""
+
+    @model_validator(mode="after")
+    def _text_or_id(self) -> "Document":
+        if self.text is None and self.id is None:
+            raise ValueError("a document needs `text` (or the `id` of a stored chunk)")
+        if self.text is None and not looks_like_chunk_id(self.id or ""):
+            raise ValueError(f"document id {self.id!r} is not a chunk id; send its `text` as well")
+        if self.text is not None and not self.text.strip():
+            raise ValueError("a document's text must not be empty")
+        return self
+
+
+class Retrieval(BaseModel):
+    """Retrieve passages from the server's Chroma collection with the question (the last user message)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    collection: str = Field(default="cacheblend_chunks", min_length=3, max_length=512)
+    """Chroma collection filled by `cacheblend-rag ingest --collection NAME` with the same home."""
+    k: int = Field(default=6, ge=1, le=64)
+    """How many chunks to retrieve."""
+
+
+class CacheBlendOptions(BaseModel):
+    """How the prompt's chunks are fused: the engine's method and CacheBlend's hyper-parameters."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal[METHODS] = "cacheblend"  # type: ignore[valid-type]  # the engine's method names
+    recompute_ratio: float | Literal["auto"] | None = None
+    """Share of reused tokens recomputed, within [0, 1], or "auto" (the loading controller); cacheblend only."""
+    check_layers: list[int] | None = None
+    candidate_factor: float | None = Field(default=None, ge=1)
+    filter_layer: int | None = Field(default=None, ge=0)
+    deviation: Literal["k", "v", "kv"] | None = None
+    selection: Literal["global", "per_chunk", "random"] | None = None
+    chunk_head_tokens: int | None = Field(default=None, ge=0)
+    weight: Literal["attention", "none"] | None = None
+
+    @field_validator("recompute_ratio")
+    @classmethod
+    def _ratio_in_range(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, float) and not 0.0 <= value <= 1.0:
+            raise ValueError(f"recompute_ratio must be within [0, 1] (or \"auto\"), got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _options_need_cacheblend(self) -> "CacheBlendOptions":
+        if self.method != "cacheblend" and self.policy_options():
+            raise ValueError(f"method {self.method!r} takes no options, got {sorted(self.policy_options())}")
+        if self.recompute_ratio == "auto" and self.method != "cacheblend":
+            raise ValueError('recompute_ratio "auto" needs method "cacheblend"')
+        return self
+
+    def policy_options(self) -> dict[str, Any]:
+        """The CacheBlend hyper-parameters that were set, as the engine takes them."""
+        names = ("check_layers", "candidate_factor", "filter_layer", "deviation", "selection", "chunk_head_tokens",
+                 "weight")
+        options = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if "check_layers" in options:
+            options["check_layers"] = tuple(options["check_layers"])
+        return options
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`."""
+
+    include_usage: bool = False
+
+
+class _Generation(BaseModel):
+    """Fields shared by both routes: sampling, streaming and the RAG extensions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    documents: list[str | Document] | None = None
+    """Passages whose KV is cached and fused: texts or `{"id", "text"}` objects."""
+    chunk_ids: list[str] | None = None
+    """Ids of chunks already stored (by `cacheblend-rag ingest` or an earlier request)."""
+    retrieval: Retrieval | None = None
+    """Retrieve passages from the server's Chroma collection."""
+    cacheblend: CacheBlendOptions = Field(default_factory=CacheBlendOptions)
+    """The fusion method and its options."""
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"only n=1 is supported, got {value}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(stops)}")
+        return [s for s in stops if s] or None
+
+    @field_validator("chunk_ids")
+    @classmethod
+    def _chunk_id_shape(cls, value: list[str] | None) -> list[str] | None:
+        for cid in value or []:
+            if not looks_like_chunk_id(cid):
+                raise ValueError(f"{cid!r} is not a chunk id; pass passage texts in `documents` instead")
+        return value
+
+    @field_validator("documents")
+    @classmethod
+    def _no_empty_texts(cls, value: list[str | Document] | None) -> list[str | Document] | None:
+        for doc in value or []:
+            if isinstance(doc, str) and not doc.strip():
+                raise ValueError("a document's text must not be empty")
+        return value
+
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are understood."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message's text (text parts joined); other parts are refused."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"only text content parts are supported, got {part.type!r}")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_Generation):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def new_tokens(self, default: int) -> int:
+        """The most tokens to generate."""
+        return self.max_completion_tokens or self.max_tokens or default
+
+
+class CompletionRequest(_Generation):
+    """`POST /v1/completions`."""
+
+    prompt: str | list[str]
+    best_of: int | None = None
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and len(value) != 1:
+            raise ValueError(f"exactly one prompt is supported, got {len(value)}")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"only best_of=1 is supported, got {value}")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    def prompt_text(self) -> str:
+        """The one prompt."""
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    def new_tokens(self, default: int) -> int:
+        """The most tokens to generate (OpenAI's legacy default is 16)."""
+        return self.max_tokens or default
