@@ -209,6 +209,21 @@ def test_retrieval_from_the_servers_collection(client):
     assert out.usage.prompt_tokens_details.cached_tokens > 0
 
 
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_clients_own_rag_prompt_reuses_the_ingested_chunks(client):
+    """No extension field: the client pastes retrieved passages into its own prompt, as RAG apps do."""
+    passages = [(REPO / "examples" / "data" / name).read_text() for name in ("07_senses.txt", "05_wax.txt")]
+    context = "\n\n".join(f"Source {i + 1}:\n{p}" for i, p in enumerate(passages))
+    out = client.chat.completions.create(
+        model=MODEL, max_tokens=6,
+        messages=[{"role": "system", "content": "You are terse. Use the sources."},
+                  {"role": "user", "content": f"{context}\n\nQuestion: {QUESTION}"}])
+    stats = out.usage.model_extra["cacheblend"]
+    assert stats["chunk_hits"] == 2 and stats["chunk_misses"] == 0
+    assert out.usage.prompt_tokens_details.cached_tokens > 0
+
+
 # ---- LangChain and LlamaIndex -----------------------------------------------------------------
 
 

@@ -1,10 +1,12 @@
 """What the worker thread does with one request: gather its chunks, run the engine, hand back pieces and stats.
 
-`_run_request` is the one place an API request meets the engine. Today it maps a request onto
-`engine.stream(chunks, question, template=...)`: the chunks are `documents` + `chunk_ids` + retrieved passages,
-the question is the last user message (or the completion prompt), a system message becomes the template's
-system text, and earlier turns are not sent. When the engine can find stored chunks inside any prompt
-(`engine.stream_prompt`), only this function changes.
+`_run_request` is the one place an API request meets the engine:
+- with `documents`, `chunk_ids` or `retrieval`: `engine.stream(chunks, question, template=...)` — the chunks
+  are those passages, the question the last user message (or the completion prompt), a system message the
+  template's system text;
+- otherwise the request's own prompt — the whole chat, rendered with the model's chat template, or the
+  completion prompt as is — goes to `engine.stream_prompt`, which reuses the KV of every ingested chunk whose
+  text it carries (a client's own RAG prompt gets reuse without any extension field).
 """
 
 from __future__ import annotations
@@ -65,6 +67,13 @@ class Retriever:
 
 def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) -> Iterator[str]:
     """Text pieces of the answer; `stats` gets the engine's stats (and `retrieved`, the retrieved passages' count)."""
+    s = call.sampling
+    sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                    stop=list(s.stop) or None, seed=s.seed)
+    if not call.documents and call.retrieval is None:
+        prompt = list(call.messages) if call.messages else call.question
+        return engine.stream_prompt(prompt, call.method, call.recompute_ratio, stats=stats, **sampling,
+                                    **call.policy_options)
     chunks = list(call.documents)
     if call.retrieval is not None:
         collection, k = call.retrieval
@@ -72,10 +81,8 @@ def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) ->
         stats["num_retrieved"] = len(retrieved)
         chunks += retrieved
     template = PromptTemplate(system=call.system) if call.system else None
-    s = call.sampling
-    return engine.stream(chunks, call.question, call.method, call.recompute_ratio, max_new_tokens=s.max_new_tokens,
-                         temperature=s.temperature, top_p=s.top_p, stop=list(s.stop) or None, seed=s.seed,
-                         template=template, stats=stats, **call.policy_options)
+    return engine.stream(chunks, call.question, call.method, call.recompute_ratio, template=template, stats=stats,
+                         **sampling, **call.policy_options)
 
 
 def run_job(engine, retriever: Retriever, job: Job) -> None:
