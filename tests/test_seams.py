@@ -146,6 +146,18 @@ def test_closing_a_stream_stops_decoding_and_frees_the_engine(tokenizer):
     engine._lock.release()
 
 
+def test_streams_hand_out_text_per_token_not_per_word(tokenizer):
+    engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer)
+    ids = engine.ingest(TEXTS, show_progress=False)
+    stats: dict = {}
+    pieces = list(engine.stream(ids, QUESTION, max_new_tokens=24, stats=stats))
+    text = "".join(pieces)
+    assert text == engine.generate(ids, QUESTION, max_new_tokens=24).text or text.strip() == \
+        engine.generate(ids, QUESTION, max_new_tokens=24).text
+    # word-level streaming yields at most one piece per word (+1 at the end); per token yields more
+    assert len(pieces) > len(text.split()) + 1, pieces
+
+
 def test_a_script_that_streams_then_exits_exits_cleanly(tmp_path):
     script = textwrap.dedent("""
         from cacheblend_rag import CacheBlendEngine

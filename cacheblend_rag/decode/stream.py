@@ -13,6 +13,32 @@ from typing import Any
 from .generate import SamplingOptions, cut_at_stop, decode
 
 
+def token_streamer(tokenizer):
+    """A TextIteratorStreamer that hands out text as each token is decoded, not only at word boundaries (the
+    first word of an answer then arrives one decode step sooner); only an incomplete UTF-8 sequence waits."""
+    from transformers import TextIteratorStreamer
+
+    class TokenStreamer(TextIteratorStreamer):
+        def put(self, value) -> None:
+            if value.dim() > 1:
+                if value.shape[0] > 1:
+                    raise ValueError("streaming supports batch size 1")
+                value = value[0]
+            if self.skip_prompt and self.next_tokens_are_prompt:
+                self.next_tokens_are_prompt = False
+                return
+            self.token_cache.extend(value.tolist())
+            text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+            stable = len(text.rstrip("\ufffd"))  # a multi-byte character split across tokens waits for its rest
+            printable = text[self.print_len:stable]
+            self.print_len = max(self.print_len, stable)
+            if text.endswith("\n"):  # decoding restarts after a newline: each put stays cheap
+                self.token_cache, self.print_len = [], 0
+            self.on_finalized_text(printable)
+
+    return TokenStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
 def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], model, tokenizer,
                   sampling: SamplingOptions, stats: dict | None = None) -> Iterator[str]:
     """Yield the text pieces of the answer to the prefill that `open_prefill()` enters (on the worker thread).
@@ -21,9 +47,7 @@ def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], model
     `timing.decode_s`. Closing the generator early (a `break`, a disconnected client) stops decoding at the next
     token and waits for the worker.
     """
-    from transformers import TextIteratorStreamer
-
-    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer = token_streamer(tokenizer)
     errors: queue.Queue[BaseException] = queue.Queue()
     cancel = threading.Event()
     decoded = threading.Event()  # set once the stats are final (or an error is queued)
