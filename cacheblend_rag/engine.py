@@ -509,6 +509,48 @@ class CacheBlendEngine:
                 f"the context window of {self.adapter.max_positions} tokens"
             )
 
+    # ---- TEMP until lead's engine lands: prompt-level API with no reuse (the integrations code against it) ----
+
+    def knows(self, cid: str) -> bool:  # TEMP until lead's engine lands
+        """Whether this engine knows the chunk id (its text, or its stored KV)."""
+        return cid in self._chunks or self.has_kv(cid)
+
+    def has_kv(self, cid: str) -> bool:  # TEMP until lead's engine lands
+        """Whether the chunk's KV is stored."""
+        return self.kv_store.contains(KVKey(self.namespace, cid))
+
+    @property
+    def context_window(self) -> int:  # TEMP until lead's engine lands
+        """The model's context window in tokens."""
+        return int(self.adapter.max_positions)
+
+    @property
+    def model_name(self) -> str:  # TEMP until lead's engine lands
+        """The model's name (its folder's name)."""
+        return os.path.basename(str(getattr(self.model.config, "_name_or_path", "") or "").rstrip("/")) or "unknown"
+
+    def _temp_template(self, prompt):  # TEMP until lead's engine lands
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = "\n\n".join(m["content"] for m in messages) + "\n"
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        class _Raw:  # the whole prompt as the "suffix" of a chunk-less layout
+            def render(self, tokenizer, question):
+                return [], [], list(ids)
+
+        return _Raw()
+
+    def generate_prompt(self, prompt, *, method="cacheblend", recompute_ratio=None, **kwargs) -> Generation:  # TEMP
+        """TEMP: a full prefill of the rendered prompt (no chunk matching yet)."""
+        return self.generate([], "", "full_prefill", template=self._temp_template(prompt), **kwargs)
+
+    def stream_prompt(self, prompt, *, method="cacheblend", recompute_ratio=None, **kwargs) -> Iterator[str]:  # TEMP
+        """TEMP: streams a full prefill of the rendered prompt (no chunk matching yet)."""
+        return self.stream([], "", "full_prefill", template=self._temp_template(prompt), **kwargs)
+
 
 def _stop_filtered(pieces: Iterable[str], stop: tuple[str, ...]) -> Iterator[str]:
     """Pass text pieces through, holding back enough to cut at a stop string that spans pieces."""
