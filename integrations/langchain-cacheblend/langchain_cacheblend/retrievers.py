@@ -93,7 +93,17 @@ class ChunkIdRetriever(BaseRetriever):
 
 
 class ChromaRetriever(BaseRetriever):
-    """Top-k search over a `cacheblend_rag.retrieval.ChromaChunkStore` (embedded or server); `k` per call too."""
+    """Top-k search over a `cacheblend_rag.retrieval.ChromaChunkStore` (embedded or server); `k` per call too.
+
+    Example:
+        >>> from cacheblend_rag.retrieval import ingest_paths
+        >>> from cacheblend_rag.retrieval.chroma import ChromaChunkStore
+        >>> store = ChromaChunkStore(home, "chroma_retriever_example")  # Chroma under a package home
+        >>> _ = ingest_paths([data_dir], engine, store, show_progress=False)  # embeddings + KV, idempotent
+        >>> docs = ChromaRetriever(store=store, k=3).invoke("How many eyes does a honeybee have?", k=2)
+        >>> len(docs), docs[0].id == docs[0].metadata["chunk_id"]
+        (2, True)
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True)
 
