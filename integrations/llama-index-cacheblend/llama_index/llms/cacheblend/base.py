@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
@@ -85,10 +85,38 @@ class QueryStatsHandler(BaseEventHandler):
             calls = stack[-1]
             _QUERY_CALLS.set(stack[:-1])
             response = event.response
-            if calls and hasattr(response, "metadata"):
-                if response.metadata is None:
-                    response.metadata = {}
-                response.metadata["cacheblend"] = query_stats(calls)
+            if not hasattr(response, "metadata"):
+                return
+            gen = getattr(response, "response_gen", None)
+            if not calls and gen is not None:  # a lazy stream: the LLM is called when the consumer reads it
+                live: dict = {}
+                response.response_gen = _tracked(gen, calls, live)
+                stats = live
+            elif calls:
+                stats = query_stats(calls)
+            else:
+                return
+            if response.metadata is None:
+                response.metadata = {}
+            response.metadata["cacheblend"] = stats
+
+
+def _tracked(gen: Iterator[Any], calls: list[dict], live: dict) -> Iterator[Any]:
+    """`gen`, with the LLM calls it makes recorded in `calls` and their stats copied into `live` as it streams."""
+    it = iter(gen)
+    while True:
+        token = _QUERY_CALLS.set(_QUERY_CALLS.get() + (calls,))
+        try:
+            item = next(it)
+        except StopIteration:
+            break
+        finally:
+            _QUERY_CALLS.reset(token)
+        if calls:
+            live.update(query_stats(calls))
+        yield item
+    if calls:
+        live.update(query_stats(calls))
 
 
 _handler_lock = threading.Lock()
