@@ -229,3 +229,18 @@ def test_a_script_that_stops_a_stream_and_exits_exits_cleanly():
     for _ in range(3):
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
         assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_chat_tutorial_example_runs(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    from cacheblend_rag import settings
+
+    (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)  # no second conversion
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    example = Path(__file__).resolve().parents[3] / "examples" / "langchain_chat_tutorial.py"
+    out = subprocess.run([sys.executable, str(example), "--home", str(home), "--max-tokens", "4"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "A: " in out.stdout and "chunk hits" in out.stdout and "input_tokens" in out.stdout

@@ -121,3 +121,15 @@ def test_empty_files_and_nodes_never_crash(folder, li_engine):
     out = pp.postprocess_nodes(nodes)
     assert [n.node.text for n in out] == [text] and pp.last_stats["empty"] == 1
     assert pp.last_stats["chunk_ids"] == [chunk_id(text)]
+
+
+def test_async_streaming_query_stats(chroma_index, settings_llm):
+    import asyncio
+
+    async def run():
+        response = await chroma_index.as_query_engine(similarity_top_k=2, streaming=True).aquery(QUESTION)
+        text = "".join([t async for t in response.async_response_gen()])
+        return text, response.metadata["cacheblend"]
+
+    text, stats = asyncio.run(run())
+    assert text.strip() and stats["num_generated"] >= 1

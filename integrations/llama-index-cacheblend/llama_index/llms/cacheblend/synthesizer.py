@@ -12,7 +12,7 @@ from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.ingest.chunks import normalize_text
+from cacheblend_rag.ingest.chunks import chunk_id, normalize_text  # noqa: F401 (chunk_id: example)
 from cacheblend_rag.retrieval.prompt import render_prompt
 from llama_index.core import Settings, VectorStoreIndex
 from llama_index.core.base.llms.types import CompletionResponseGen
@@ -21,7 +21,7 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import BaseNode, NodeWithScore
 from llama_index.llms.cacheblend.base import CacheBlendLLM
-from llama_index.llms.cacheblend.indexing import node_text
+from llama_index.llms.cacheblend.indexing import build_index, node_text  # noqa: F401 (build_index: example)
 from llama_index.postprocessor.cacheblend.base import KVAwareNodePostprocessor
 
 __all__ = ["CacheBlendSynthesizer", "as_query_engine"]
@@ -32,6 +32,15 @@ class CacheBlendSynthesizer(BaseSynthesizer):
 
     With a `CacheBlendLLM` the chunks and the question go to the LLM as keywords; any other LLM gets the
     documented prompt string.
+
+    Example:
+        >>> from llama_index.core import Document
+        >>> index = build_index([Document(text="Honeybees have five eyes.")], engine)
+        >>> llm = CacheBlendLLM(engine=engine, max_new_tokens=4)
+        >>> qe = RetrieverQueryEngine(retriever=index.as_retriever(), response_synthesizer=CacheBlendSynthesizer(llm=llm))
+        >>> response = qe.query("How many eyes does a honeybee have?")
+        >>> response.metadata["cacheblend"]["chunk_hits"] == [chunk_id("Honeybees have five eyes.")]
+        True
     """
 
     def _get_prompts(self) -> dict:
