@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from langchain_cacheblend_testing import embeddings, engine  # noqa: F401 (fixtures; first: sets the offline environment)
 import asyncio
 import os
 import subprocess
@@ -27,6 +28,7 @@ from langchain_cacheblend import (
     StatsCallbackHandler,
     to_chat_messages,
 )
+
 
 pytestmark = pytest.mark.model
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from langchain_cacheblend_testing import embeddings, engine  # noqa: F401 (fixtures; first: sets the offline environment)
 import doctest
 import importlib
 
@@ -11,6 +12,7 @@ import langchain_cacheblend
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[3] / "examples" / "data"
+
 
 pytestmark = pytest.mark.model
 

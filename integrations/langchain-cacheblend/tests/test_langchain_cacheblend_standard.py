@@ -5,6 +5,7 @@ Every skip comes from a capability property below, each saying why the model can
 
 from __future__ import annotations
 
+from langchain_cacheblend_testing import LocalEmbeddings, shared_engine  # first: sets the offline environment
 from typing import Any
 
 import pytest
@@ -13,7 +14,6 @@ from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from conftest import LocalEmbeddings, shared_engine
 from langchain_cacheblend import ChatCacheBlend, ChunkIdRetriever
 
 pytestmark = pytest.mark.model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llama_index_cacheblend_testing import li_engine, settings_llm  # noqa: F401 (fixtures; first: sets the offline environment)
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from llama_index.llms.cacheblend import (
     load_documents,
 )
 from llama_index.postprocessor.cacheblend import KVAwareNodePostprocessor
+
 
 pytestmark = pytest.mark.model
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llama_index_cacheblend_testing import li_engine, settings_llm  # noqa: F401 (fixtures; first: sets the offline environment)
 import doctest
 import importlib
 
@@ -9,6 +10,7 @@ import pytest
 
 import llama_index.llms.cacheblend as llms
 import llama_index.postprocessor.cacheblend as postprocessor
+
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,7 @@
-"""One real engine (SmolLM2-135M-Instruct, fp32, in-memory KV) for the whole session; local embeddings."""
+"""Test helpers and fixtures of langchain-cacheblend: the session's engine and local embeddings.
+
+Not a conftest.py: the root test run collects several packages' tests, and the root tests import their own
+`conftest` by name; a uniquely named module imported by each test file cannot clash."""
 
 from __future__ import annotations
 

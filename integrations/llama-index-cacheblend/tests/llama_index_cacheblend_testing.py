@@ -1,4 +1,5 @@
-"""One real engine (SmolLM2-135M-Instruct, fp32, in-memory KV) for the session; LlamaIndex Settings set to it."""
+"""Fixtures of llama-index-cacheblend's tests: one real engine (SmolLM2-135M-Instruct, fp32, in-memory KV) for the
+session, LlamaIndex Settings set to it. Not a conftest.py: the root test run imports its own `conftest` by name."""
 
 from __future__ import annotations
 
