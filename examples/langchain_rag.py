@@ -17,7 +17,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from cacheblend_rag.integrations.langchain import (  # noqa: E402
+from langchain_cacheblend import (  # noqa: E402
     CacheBlendLLM,
     ChromaRetriever,
     ChunkIdRetriever,

@@ -13,7 +13,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from cacheblend_rag.integrations.llama_index import (  # noqa: E402
+from llama_index.llms.cacheblend import (  # noqa: E402
     CacheBlendLLM,
     LocalEmbedding,
     as_query_engine,

@@ -95,15 +95,22 @@ def test_every_path_finds_the_chunks(retriever, llm):
     value = CacheBlendPromptTemplate().invoke({"context": docs, "question": QUESTION})
     assert isinstance(value, CacheBlendPromptValue) and value.chunk_ids == ids
     by_value = llm.generate_prompt([value]).generations[0][0]
-    by_string = llm.generate([value.to_string() + " "]).generations[0][0]  # an unseen string: parsed back
     by_kwarg = llm.generate([QUESTION], chunks=ids).generations[0][0]  # ids alone: text from the KV store
-    plain = llm.generate(["Say hello."]).generations[0][0]
-    assert by_string.generation_info["chunks_from"] == "parsed"
+    plain = llm.generate(["Say hello."]).generations[0][0]  # any other string: engine.generate_prompt
+    assert by_value.generation_info["chunks_from"] == "prompt_value"
     assert by_kwarg.generation_info["chunks_from"] == "kwarg"
-    for gen in (by_value, by_string, by_kwarg):
+    for gen in (by_value, by_kwarg):
         assert gen.generation_info["chunk_ids"] == ids and gen.generation_info["chunk_hits"] == ids
-    assert by_value.text == by_string.text == by_kwarg.text  # the same request, whichever way it arrived
-    assert plain.generation_info["chunks_from"] == "plain" and plain.generation_info["chunk_ids"] == []
+    assert by_value.text == by_kwarg.text  # the same request, whichever way it arrived
+    assert plain.generation_info["chunks_from"] == "prompt" and plain.generation_info["chunk_ids"] == []
+
+
+def test_a_prompt_string_finds_its_chunks(retriever, llm):
+    docs = retriever.invoke(QUESTION)
+    value = CacheBlendPromptTemplate().invoke({"context": docs, "question": QUESTION})
+    by_string = llm.generate([value.to_string() + " "]).generations[0][0]  # an unseen string: matched by the engine
+    assert by_string.generation_info["chunks_from"] == "prompt"
+    assert sorted(by_string.generation_info["chunk_hits"]) == sorted(d.id for d in docs)
 
 
 def test_settings_are_fields_and_per_call(llm, retriever):

@@ -1,0 +1,250 @@
+"""`CacheBlendLLM`: a LangChain LLM (string in, string out) over a `CacheBlendEngine`.
+
+Where it finds the chunks of a prompt, in order: an explicit `chunks=` keyword; the `CacheBlendPromptValue`
+seen by `_convert_input` (every BaseLLM entry point converts its input there first, then passes the string on);
+otherwise the prompt string goes to `engine.generate_prompt`, which finds every stored chunk that appears in it
+verbatim — so a user's own `PromptTemplate` gets the reuse too.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.fuse.policies import METHODS
+from cacheblend_rag.ingest.chunks import Chunk, chunk_id, looks_like_chunk_id
+from cacheblend_rag.models.loader import DEFAULT_MODEL
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseLLM, LanguageModelInput
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.prompt_values import PromptValue
+from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from ._common import call_settings, check_call_kwargs, close_stream as _close, expand_path, stats_info
+from .prompts import CacheBlendPromptValue
+
+__all__ = ["CacheBlendLLM"]
+
+
+@dataclass(frozen=True)
+class _Request:
+    chunks: list[str | Chunk] | None  # None: the whole prompt goes to engine.generate_prompt
+    question: str
+    source: str  # kwarg | prompt_value | prompt
+
+
+class _RecentPrompts:
+    """Prompt values seen by `_convert_input`, by their string, for the `_generate` that follows (bounded)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._items: OrderedDict[str, CacheBlendPromptValue] = OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def put(self, value: CacheBlendPromptValue) -> None:
+        with self._lock:
+            self._items[value.text] = value
+            self._items.move_to_end(value.text)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def get(self, text: str) -> CacheBlendPromptValue | None:
+        with self._lock:
+            return self._items.get(text)
+
+
+class CacheBlendLLM(BaseLLM):
+    """A LangChain LLM over a `CacheBlendEngine`: any prompt's stored chunks are answered from their cached KV.
+
+    Drop-in for `HuggingFacePipeline`: keep your own `PromptTemplate`; chunks that appear in the prompt verbatim
+    reuse their KV. `CacheBlendLLM(model=..., kv_store=...)` builds its engine on first use.
+
+    Example:
+        >>> from langchain_core.prompts import PromptTemplate
+        >>> llm = CacheBlendLLM(engine=engine, max_new_tokens=8)
+        >>> chain = PromptTemplate.from_template("Context: {context}\\nQuestion: {question}\\nAnswer:") | llm
+        >>> isinstance(chain.invoke({"context": "Bees have five eyes.", "question": "How many eyes?"}), str)
+        True
+        >>> isinstance(llm.invoke("Say hi.", max_tokens=2, recompute_ratio=0.3), str)  # per-call settings
+        True
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True, extra="forbid")
+
+    engine: Any = Field(default=None, exclude=True)
+    """A ready `CacheBlendEngine`; when None one is built on first use from `model`, `kv_store` and `home`."""
+    model: str = DEFAULT_MODEL
+    """Packaged model alias or local model folder; with `engine`, the engine's own model name replaces it."""
+    kv_store: str | None = None
+    """KV store folder for a lazily built engine (None: in memory; `~` is expanded)."""
+    home: str | None = None
+    """Package home for a lazily built engine (converted models); None: $CACHEBLEND_RAG_HOME or the default."""
+    device: str = "auto"
+    """Device of a lazily built engine."""
+    dtype: str = "auto"
+    """Dtype of a lazily built engine."""
+    method: str = "cacheblend"
+    """Prefill method: full_prefill, prefix_cache, full_reuse or cacheblend."""
+    recompute_ratio: float = 0.15
+    """Share of reused chunk tokens recomputed per layer (cacheblend only)."""
+    max_new_tokens: int = Field(default=64, ge=1, validation_alias=AliasChoices("max_new_tokens", "max_tokens"))
+    """Most tokens to generate (alias `max_tokens`)."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (with temperature > 0)."""
+    seed: int | None = None
+    """Sampling seed."""
+    stop: list[str] | None = None
+    """Stop strings used when a call passes none (generation ends before the first one)."""
+
+    _recent: _RecentPrompts = PrivateAttr(default_factory=_RecentPrompts)
+    _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
+
+    @field_validator("method")
+    @classmethod
+    def _check_method(cls, value: str) -> str:
+        if value not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {value!r}")
+        return value
+
+    @field_validator("recompute_ratio")
+    @classmethod
+    def _check_ratio(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"recompute_ratio must be within [0, 1], got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _name_from_engine(self) -> "CacheBlendLLM":
+        if self.engine is not None:
+            self.model = self.engine.model_name  # what the engine really holds, never a default alias
+        self.kv_store = expand_path(self.kv_store)
+        return self
+
+    @classmethod
+    def from_model_id(cls, model: str = DEFAULT_MODEL, kv_store: str | None = None, **kwargs: Any) -> "CacheBlendLLM":
+        """Load the model now (instead of on first use) and wrap it."""
+        llm = cls(model=model, kv_store=kv_store, **kwargs)
+        llm.get_engine()
+        return llm
+
+    def get_engine(self) -> CacheBlendEngine:
+        """The engine, built on first use when none was given."""
+        if self.engine is None:
+            with self._build_lock:
+                if self.engine is None:
+                    self.engine = CacheBlendEngine.from_pretrained(
+                        self.model, kv_store=self.kv_store, device=self.device, dtype=self.dtype, home=self.home
+                    )
+        return self.engine
+
+    @property
+    def model_name(self) -> str:
+        """The engine's model name (the `model` field until a lazily built engine exists)."""
+        return self.engine.model_name if self.engine is not None else self.model
+
+    @property
+    def _llm_type(self) -> str:
+        return "cacheblend"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.get_engine().model_name, "method": self.method,
+                "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params.update(ls_provider="cacheblend", ls_model_name=kwargs.get("model") or self.model_name,
+                      ls_max_tokens=kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)),
+                      ls_temperature=kwargs.get("temperature", self.temperature))
+        return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids from the model's own tokenizer (the default would fetch GPT-2 from a hub)."""
+        return self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # -- keeping the prompt value: every BaseLLM entry point converts its input here first --
+
+    def _convert_input(self, model_input: LanguageModelInput) -> PromptValue:
+        value = super()._convert_input(model_input)
+        if isinstance(value, CacheBlendPromptValue):
+            self._recent.put(value)
+        return value
+
+    def _request(self, prompt: str, kwargs: dict[str, Any]) -> _Request:
+        if kwargs.get("chunks") is not None:
+            question = kwargs.get("question")
+            return _Request(list(kwargs["chunks"]), question if question is not None else prompt, "kwarg")
+        value = self._recent.get(prompt)
+        if value is not None:
+            return _Request(list(value.chunk_texts), value.question, "prompt_value")
+        return _Request(None, prompt, "prompt")
+
+    def _settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        check_call_kwargs(type(self).__name__, kwargs, extra=("chunks", "question"))
+        return call_settings(self, self.max_new_tokens, stop, kwargs)
+
+    @staticmethod
+    def _info(stats: dict, request: _Request) -> dict[str, Any]:
+        info = stats_info(stats)  # chunk ids found in the prompt by the engine
+        info["chunks_from"] = request.source
+        if request.chunks is not None:  # the chunks it was given, in order
+            hits = set(stats.get("chunk_hits", ()))
+            ids = [c.chunk_id if isinstance(c, Chunk) else (c if looks_like_chunk_id(c) else chunk_id(c))
+                   for c in request.chunks]
+            info.update(chunk_ids=ids, per_chunk={cid: ("hit" if cid in hits else "miss") for cid in ids})
+        return info
+
+    def _run(self, engine: CacheBlendEngine, request: _Request, settings: dict[str, Any]):
+        if request.chunks is None:
+            return engine.generate_prompt(request.question, **settings)
+        return engine.generate(request.chunks, request.question, **settings)
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        engine = self.get_engine()
+        settings = self._settings(stop, kwargs)
+        generations, infos = [], []
+        for prompt in prompts:
+            request = self._request(prompt, kwargs)
+            out = self._run(engine, request, settings)
+            info = self._info(out.stats, request)
+            infos.append(info)
+            generations.append([Generation(text=out.text, generation_info=info)])
+        return LLMResult(generations=generations, llm_output={"model_name": engine.model_name, "requests": infos})
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        engine = self.get_engine()
+        settings = self._settings(stop, kwargs)
+        request = self._request(prompt, kwargs)
+        stats: dict = {}
+        if request.chunks is None:
+            pieces = engine.stream_prompt(request.question, stats=stats, **settings)
+        else:
+            pieces = engine.stream(request.chunks, request.question, stats=stats, **settings)
+        try:
+            for piece in pieces:
+                chunk = GenerationChunk(text=piece)
+                if run_manager:
+                    run_manager.on_llm_new_token(piece, chunk=chunk)
+                yield chunk
+        finally:
+            _close(pieces)  # a consumer that stops early ends the engine's stream (and its decoding) too
+        yield GenerationChunk(text="", generation_info=self._info(stats, request))

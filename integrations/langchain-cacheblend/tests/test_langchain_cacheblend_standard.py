@@ -1,0 +1,112 @@
+"""LangChain's standard suites (langchain-tests) for ChatCacheBlend and ChunkIdRetriever, on the real model.
+
+Every skip comes from a capability property below, each saying why the model cannot do it.
+"""
+
+from __future__ import annotations
+
+from langchain_cacheblend_testing import LocalEmbeddings, shared_engine  # first: sets the offline environment
+from typing import Any
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.vectorstores import InMemoryVectorStore
+from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_cacheblend import ChatCacheBlend, ChunkIdRetriever
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 8  # tiny answers keep the suites fast on a CPU
+
+
+class _Capabilities:
+    """What SmolLM2-135M-Instruct behind CacheBlend can and cannot do, for both suites."""
+
+    @property
+    def chat_model_class(self) -> type[ChatCacheBlend]:
+        return ChatCacheBlend
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"engine": shared_engine()}
+
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        # A local model: no API key, no network timeout, no retries (ChatCacheBlend rejects unknown arguments
+        # rather than ignoring them); temperature, stop and max_tokens are the standard ones.
+        return {"temperature": 0, "max_tokens": MAX_TOKENS, "stop": []}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return False  # the model has no tool-calling format; bind_tools is not implemented
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False  # no tool calling and no constrained JSON decoding: with_structured_output is not offered
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return False  # no constrained decoding
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False  # a text-only model; image blocks are rejected with a ConfigError
+
+    @property
+    def supports_image_urls(self) -> bool:
+        return False  # a text-only model
+
+    @property
+    def supports_pdf_inputs(self) -> bool:
+        return False  # a text-only model
+
+    @property
+    def supports_audio_inputs(self) -> bool:
+        return False  # a text-only model
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # one engine holds one loaded model; a per-call `model` cannot switch it
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True  # input/output/total tokens, cache_read = prompt tokens whose KV came from the store
+
+    # Left at the suites' defaults, each skipping one test: init_from_env_params (a local model reads no
+    # environment variables), is_lc_serializable False (the engine holds a loaded model: nothing to serialize),
+    # enable_vcr_tests False (no HTTP traffic to record), supports_anthropic_inputs False (text-only messages).
+
+
+class TestChatCacheBlendUnit(_Capabilities, ChatModelUnitTests):
+    """ChatModelUnitTests."""
+
+
+class TestChatCacheBlendIntegration(_Capabilities, ChatModelIntegrationTests):
+    """ChatModelIntegrationTests."""
+
+
+TEXTS = ["Honeybees have five eyes: two compound eyes and three ocelli.",
+         "A queen develops in sixteen days on royal jelly.",
+         "Worker bees secrete wax from glands under the abdomen.",
+         "Bees communicate the direction of food with the waggle dance.",
+         "In winter bees cluster and shiver to keep warm."]
+
+
+class TestChunkIdRetrieverIntegration(RetrieversIntegrationTests):
+    """RetrieversIntegrationTests over a retriever whose own k (4) differs from the one asked for."""
+
+    @property
+    def retriever_constructor(self) -> type[ChunkIdRetriever]:
+        return ChunkIdRetriever
+
+    @property
+    def retriever_constructor_params(self) -> dict[str, Any]:
+        store = InMemoryVectorStore(LocalEmbeddings())
+        store.add_documents([Document(page_content=t) for t in TEXTS])
+        return {"base": store.as_retriever()}
+
+    @property
+    def retriever_query_example(self) -> str:
+        return "How many eyes does a bee have?"

@@ -1,0 +1,17 @@
+"""LlamaIndex LLM of cacheblend-rag: `CacheBlendLLM`, plus stable chunk-id ingestion and a fused-prompt query engine."""
+
+from llama_index.llms.cacheblend.base import CacheBlendLLM, QueryStatsHandler, install_query_stats_handler
+from llama_index.llms.cacheblend.indexing import (
+    ChunkIdTransform,
+    LocalEmbedding,
+    build_index,
+    load_documents,
+    node_chunk_id,
+    node_text,
+)
+from llama_index.llms.cacheblend.synthesizer import CacheBlendSynthesizer, as_query_engine
+
+__all__ = [
+    "CacheBlendLLM", "CacheBlendSynthesizer", "ChunkIdTransform", "LocalEmbedding", "QueryStatsHandler",
+    "as_query_engine", "build_index", "install_query_stats_handler", "load_documents", "node_chunk_id", "node_text",
+]

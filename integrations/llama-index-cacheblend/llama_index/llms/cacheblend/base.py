@@ -1,0 +1,371 @@
+"""`CacheBlendLLM`: a LlamaIndex LLM over a `CacheBlendEngine`, used the standard way (`Settings.llm`).
+
+Every prompt — LlamaIndex's own text-QA / refine templates, chat messages of a chat engine — goes to
+`engine.generate_prompt`, which reuses the cached KV of each stored chunk that appears in it verbatim.
+The stats of each call are in the response's `additional_kwargs`, and a query's stats in its
+`Response.metadata["cacheblend"]` (attached by an instrumentation event handler at the query's end).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.fuse.policies import METHODS
+from cacheblend_rag.ingest.chunks import chunk_id, looks_like_chunk_id, normalize_text
+from cacheblend_rag.models.loader import DEFAULT_MODEL
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events import BaseEvent
+from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+__all__ = ["CacheBlendLLM", "QueryStatsHandler"]
+
+STATS_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed",
+              "recompute_ratio_effective", "ttft_s", "num_generated", "recompute_ratio")
+CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed",
+                 "stop", "do_sample", "chunks", "question", "formatted")
+
+# Stats of the LLM calls of each query in progress (innermost last); lists are shared with worker threads.
+_QUERY_CALLS: contextvars.ContextVar[tuple[list[dict], ...]] = contextvars.ContextVar("cacheblend_query_calls",
+                                                                                      default=())
+
+
+def _record(stats: dict) -> None:
+    stack = _QUERY_CALLS.get()
+    if stack:
+        stack[-1].append(stats)
+
+
+def query_stats(calls: Sequence[dict]) -> dict[str, Any]:
+    """One query's stats from its LLM calls: one call's own dict (filled live when streaming), or a merge."""
+    if len(calls) == 1:
+        return calls[0]
+    hits = [cid for c in calls for cid in c.get("chunk_hits", ())]
+    misses = [cid for c in calls for cid in c.get("chunk_misses", ())]
+    return {"calls": list(calls), "chunk_hits": list(dict.fromkeys(hits)),
+            "chunk_misses": list(dict.fromkeys(misses)),
+            "ttft_s": calls[0].get("ttft_s") if calls else None,
+            "num_reused": sum(c.get("num_reused", 0) for c in calls),
+            "num_recomputed": sum(c.get("num_recomputed", 0) for c in calls)}
+
+
+class QueryStatsHandler(BaseEventHandler):
+    """Puts the stats of a query's CacheBlendLLM calls into its `Response.metadata["cacheblend"]`.
+
+    Registered once on LlamaIndex's root instrumentation dispatcher when the first CacheBlendLLM is built.
+
+    Example:
+        >>> handler = install_query_stats_handler()
+        >>> handler is install_query_stats_handler(), isinstance(handler, QueryStatsHandler)
+        (True, True)
+    """
+
+    @classmethod
+    def class_name(cls) -> str:
+        """Registry name."""
+        return "CacheBlendQueryStatsHandler"
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+        """Open a record at a query's start; attach it at its end."""
+        if isinstance(event, QueryStartEvent):
+            _QUERY_CALLS.set(_QUERY_CALLS.get() + ([],))
+        elif isinstance(event, QueryEndEvent):
+            stack = _QUERY_CALLS.get()
+            if not stack:
+                return
+            calls = stack[-1]
+            _QUERY_CALLS.set(stack[:-1])
+            response = event.response
+            if not hasattr(response, "metadata"):
+                return
+            gen = getattr(response, "response_gen", None)
+            if not calls and gen is not None:  # a lazy stream: the LLM is called when the consumer reads it
+                live: dict = {}
+                wrap = _atracked if hasattr(gen, "__aiter__") else _tracked
+                response.response_gen = wrap(gen, calls, live)
+                stats = live
+            elif calls:
+                stats = query_stats(calls)
+            else:
+                return
+            if response.metadata is None:
+                response.metadata = {}
+            response.metadata["cacheblend"] = stats
+
+
+def _tracked(gen: Iterator[Any], calls: list[dict], live: dict) -> Iterator[Any]:
+    """`gen`, with the LLM calls it makes recorded in `calls` and their stats copied into `live` as it streams."""
+    it = iter(gen)
+    while True:
+        token = _QUERY_CALLS.set(_QUERY_CALLS.get() + (calls,))
+        try:
+            item = next(it)
+        except StopIteration:
+            break
+        finally:
+            _QUERY_CALLS.reset(token)
+        if calls:
+            live.update(query_stats(calls))
+        yield item
+    if calls:
+        live.update(query_stats(calls))
+
+
+async def _atracked(gen: AsyncIterator[Any], calls: list[dict], live: dict) -> AsyncIterator[Any]:
+    """The async form of `_tracked`."""
+    it = gen.__aiter__()
+    while True:
+        token = _QUERY_CALLS.set(_QUERY_CALLS.get() + (calls,))
+        try:
+            item = await it.__anext__()
+        except StopAsyncIteration:
+            break
+        finally:
+            _QUERY_CALLS.reset(token)
+        if calls:
+            live.update(query_stats(calls))
+        yield item
+    if calls:
+        live.update(query_stats(calls))
+
+
+_handler_lock = threading.Lock()
+_handler: QueryStatsHandler | None = None
+
+
+def install_query_stats_handler() -> QueryStatsHandler:
+    """Register the handler on LlamaIndex's root dispatcher (once per process)."""
+    global _handler
+    with _handler_lock:
+        if _handler is None:
+            _handler = QueryStatsHandler()
+            get_dispatcher().add_event_handler(_handler)
+    return _handler
+
+
+def _info(stats: dict, chunks: list | None) -> dict[str, Any]:
+    info = {k: stats[k] for k in STATS_KEYS if k in stats}
+    info["recomputed_share"] = stats.get("recompute_ratio_effective", 0.0)
+    hits = list(stats.get("chunk_hits", ()))
+    if chunks is None:
+        ids = hits + [cid for cid in stats.get("chunk_misses", ()) if cid not in hits]
+    else:
+        ids = [c if looks_like_chunk_id(c) else chunk_id(c) for c in chunks]
+    info.update(chunk_ids=ids, per_chunk={cid: ("hit" if cid in hits else "miss") for cid in ids})
+    return info
+
+
+_ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
+          MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant", MessageRole.DEVELOPER: "system"}
+
+
+def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """LlamaIndex chat messages as `[{"role", "content"}]` for the model's chat template (text only)."""
+    out = []
+    for m in messages:
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise ConfigError(f"CacheBlendLLM cannot take a {m.role.value!r} message: the model has no tool calling")
+        out.append({"role": role, "content": m.content or ""})
+    return out
+
+
+class CacheBlendLLM(CustomLLM):
+    """A LlamaIndex LLM over a `CacheBlendEngine`; arguments mirror `HuggingFaceLLM`'s main ones.
+
+    Set it as `Settings.llm` and use `index.as_query_engine()` / `as_chat_engine()` as usual: chunks that appear
+    verbatim in the prompts reuse their KV. `complete(prompt, chunks=[...], question=...)` answers from those
+    chunks explicitly. `context_window` and `model_name` are the engine's model's own.
+
+    Example:
+        >>> llm = CacheBlendLLM(engine=engine, max_new_tokens=8)
+        >>> llm.metadata.context_window == engine.context_window, llm.metadata.model_name == engine.model_name
+        (True, True)
+        >>> response = llm.complete("Bees have five eyes. How many eyes does a bee have?")
+        >>> sorted(k for k in response.additional_kwargs if k.startswith("chunk_"))
+        ['chunk_hits', 'chunk_ids', 'chunk_misses']
+    """
+
+    model_name: str = Field(default=DEFAULT_MODEL, description="Packaged model alias or local model folder; "
+                            "with `engine=`, the engine's own model name.")
+    tokenizer_name: str | None = Field(default=None, description="Ignored: the model folder's tokenizer is used.")
+    context_window: int | None = Field(default=None, description="Context window (None: the model's own).")
+    max_new_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    generate_kwargs: dict = Field(default_factory=dict, description="temperature, top_p, seed, stop, do_sample.")
+    device_map: str = Field(default="auto", description="Device of a lazily built engine ('auto', 'cpu', 'cuda').")
+    model_kwargs: dict = Field(default_factory=dict, description="Only 'dtype' / 'torch_dtype' is used.")
+    kv_store: str | None = Field(default=None, description="KV store folder of a lazily built engine (~ expanded).")
+    home: str | None = Field(default=None, description="Package home of a lazily built engine.")
+    method: str = Field(default="cacheblend", description="full_prefill, prefix_cache, full_reuse or cacheblend.")
+    recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Recomputed share of reused tokens.")
+
+    _engine: CacheBlendEngine | None = PrivateAttr(default=None)
+    _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
+    _last: dict = PrivateAttr(default_factory=dict)
+
+    def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
+        if "max_tokens" in kwargs:
+            kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
+        super().__init__(**kwargs)
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        unknown = sorted(set(self.generate_kwargs) - set(CALL_SETTINGS))
+        if unknown:
+            raise ConfigError(f"generate_kwargs has unknown key(s) {', '.join(unknown)}; accepted: "
+                              f"{', '.join(CALL_SETTINGS)}")
+        if self.kv_store is not None:
+            import os
+
+            self.kv_store = os.path.expanduser(self.kv_store)
+        self._engine = engine
+        if engine is not None:
+            self.model_name = engine.model_name  # what the engine really holds, never a default alias
+        install_query_stats_handler()
+
+    @classmethod
+    def class_name(cls) -> str:
+        """Registry name."""
+        return "CacheBlendLLM"
+
+    @property
+    def engine(self) -> CacheBlendEngine:
+        """The engine, built on first use when none was given."""
+        if self._engine is None:
+            with self._build_lock:
+                if self._engine is None:
+                    dtype = self.model_kwargs.get("dtype", self.model_kwargs.get("torch_dtype", "auto"))
+                    self._engine = CacheBlendEngine.from_pretrained(
+                        self.model_name, kv_store=self.kv_store, device=self.device_map, dtype=dtype, home=self.home)
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        """Context window, output budget and name, from the engine's model."""
+        engine = self.engine
+        return LLMMetadata(context_window=self.context_window or engine.context_window,
+                           num_output=self.max_new_tokens, model_name=engine.model_name, is_chat_model=True)
+
+    @property
+    def last_stats(self) -> dict:
+        """Stats of the latest call (live while it streams)."""
+        return self._last
+
+    def _settings(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(kwargs) - set(CALL_SETTINGS))
+        if unknown:
+            raise ConfigError(f"CacheBlendLLM got unknown keyword argument(s) {', '.join(unknown)}; accepted: "
+                              f"{', '.join(CALL_SETTINGS)}")
+        gen = {**self.generate_kwargs, **kwargs}
+        sample = gen.get("do_sample", gen.get("temperature", 0.0) > 0)
+        method = gen.get("method", self.method)
+        if method not in METHODS:
+            raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        return dict(
+            method=method,
+            recompute_ratio=gen.get("recompute_ratio", self.recompute_ratio),
+            max_new_tokens=gen.get("max_new_tokens", gen.get("max_tokens", self.max_new_tokens)),
+            temperature=float(gen.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0,
+            top_p=gen.get("top_p", 1.0), seed=gen.get("seed"), stop=gen.get("stop"),
+        )
+
+    def _split(self, kwargs: dict[str, Any]) -> tuple[list[str] | None, str | None, dict[str, Any]]:
+        kwargs = dict(kwargs)
+        chunks = kwargs.pop("chunks", None)
+        question = kwargs.pop("question", None)
+        kwargs.pop("formatted", None)
+        if chunks is not None:
+            chunks = [c for c in chunks if looks_like_chunk_id(c) or normalize_text(c)]  # empty chunks skipped
+        return chunks, question, self._settings(kwargs)
+
+    def _generate(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]):
+        chunks, question, settings = self._split(kwargs)
+        if chunks is not None:
+            out = self.engine.generate(chunks, question if question is not None else str(prompt), **settings)
+        else:
+            out = self.engine.generate_prompt(prompt, **settings)
+        info = _info(out.stats, chunks)
+        self._last = info
+        _record(info)
+        return out, info
+
+    def _stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]):
+        chunks, question, settings = self._split(kwargs)
+        stats: dict = {}
+        info: dict = {}
+        self._last = info
+        _record(info)
+
+        def pieces():
+            if chunks is not None:
+                it = self.engine.stream(chunks, question if question is not None else str(prompt), stats=stats,
+                                        **settings)
+            else:
+                it = self.engine.stream_prompt(prompt, stats=stats, **settings)
+            try:
+                for piece in it:
+                    info.update(_info(stats, chunks))  # prefill stats are there from the first piece
+                    yield piece
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()  # a consumer that stops early ends the engine's stream (and its decoding) too
+            info.update(_info(stats, chunks))
+
+        return pieces(), info
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Answer `prompt` (stored chunks in it reuse their KV), or `question=` over `chunks=`."""
+        out, info = self._generate(prompt, kwargs)
+        return CompletionResponse(text=out.text, additional_kwargs=info)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        """Stream the answer: each response has the new `delta` and the cumulative `text`."""
+        pieces, info = self._stream(prompt, kwargs)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for piece in pieces:
+                text += piece
+                yield CompletionResponse(text=text, delta=piece, additional_kwargs=info)
+
+        return gen()
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer chat messages with the model's chat template (stored chunks in them reuse their KV)."""
+        out, info = self._generate(to_chat_messages(messages), kwargs)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=out.text),
+                            additional_kwargs=info)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Stream a chat answer: each response has the new `delta` and the cumulative message."""
+        pieces, info = self._stream(to_chat_messages(messages), kwargs)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for piece in pieces:
+                text += piece
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=piece,
+                                   additional_kwargs=info)
+
+        return gen()

@@ -1,0 +1,135 @@
+"""LlamaIndex the standard way (`Settings.llm`, `index.as_query_engine()`, `as_chat_engine()`) over real Chroma."""
+
+from __future__ import annotations
+
+from llama_index_cacheblend_testing import li_engine, settings_llm  # noqa: F401 (fixtures; first: sets the offline environment)
+import shutil
+from pathlib import Path
+
+import chromadb
+import pytest
+from llama_index.core import Settings, SimpleDirectoryReader, StorageContext, VectorStoreIndex
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.schema import NodeWithScore, TextNode
+from llama_index.vector_stores.chroma import ChromaVectorStore
+
+from cacheblend_rag import ConfigError, chunk_id
+from llama_index.llms.cacheblend import (
+    CacheBlendLLM,
+    ChunkIdTransform,
+    LocalEmbedding,
+    as_query_engine,
+    build_index,
+    load_documents,
+)
+from llama_index.postprocessor.cacheblend import KVAwareNodePostprocessor
+
+
+pytestmark = pytest.mark.model
+
+DATA = Path(__file__).resolve().parents[3] / "examples" / "data"
+QUESTION = "How long does a queen take to develop?"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """The example corpus (three files) plus an empty file, as a user's folder often has."""
+    folder = tmp_path_factory.mktemp("li-data")
+    for src in sorted(DATA.iterdir())[:3]:
+        shutil.copy(src, folder / src.name)
+    (folder / "empty.txt").write_text("")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chroma_index(folder, tmp_path_factory):
+    """A VectorStoreIndex over a real ChromaVectorStore, built with LlamaIndex's own reader and splitter."""
+    client = chromadb.PersistentClient(path=str(tmp_path_factory.mktemp("li-chroma")))
+    collection = client.get_or_create_collection("llama_index_cacheblend_tests",
+                                                 configuration={"hnsw": {"space": "cosine"}})
+    storage = StorageContext.from_defaults(vector_store=ChromaVectorStore(chroma_collection=collection))
+    documents = SimpleDirectoryReader(str(folder)).load_data()
+    return VectorStoreIndex.from_documents(documents, storage_context=storage, embed_model=LocalEmbedding(),
+                                           transformations=[SentenceSplitter(chunk_size=512), ChunkIdTransform()])
+
+
+def test_standard_query_engine_over_chroma_carries_stats(chroma_index, settings_llm):
+    qe = chroma_index.as_query_engine(similarity_top_k=2, node_postprocessors=[KVAwareNodePostprocessor()])
+    response = qe.query(QUESTION)
+    assert str(response).strip() and len(response.source_nodes) == 2
+    stats = response.metadata["cacheblend"]
+    for key in ("chunk_hits", "chunk_misses", "ttft_s", "recomputed_share"):
+        assert key in stats
+    assert stats is settings_llm.last_stats
+    warmed = qe._node_postprocessors[0].last_stats  # the postprocessor found the engine through Settings.llm
+    assert all(settings_llm.engine.has_kv(cid) for cid in warmed["chunk_ids"])
+
+
+def test_standard_query_engine_hits_warm_chunks(chroma_index, settings_llm):
+    qe = chroma_index.as_query_engine(similarity_top_k=2, node_postprocessors=[KVAwareNodePostprocessor()])
+    qe.query(QUESTION)  # warms what it retrieves
+    response = qe.query(QUESTION)
+    assert sorted(response.metadata["cacheblend"]["chunk_hits"]) == sorted(n.node.id_ for n in response.source_nodes)
+
+
+def test_streaming_query_stats_fill_as_it_streams(chroma_index, settings_llm):
+    response = chroma_index.as_query_engine(similarity_top_k=2, streaming=True).query(QUESTION)
+    text = "".join(response.response_gen)
+    assert text.strip() and response.metadata["cacheblend"]["num_generated"] >= 1
+
+
+def test_chat_engine_the_standard_way(chroma_index, settings_llm):
+    chat = chroma_index.as_chat_engine(similarity_top_k=2)
+    assert str(chat.chat("What does a queen eat?")).strip()
+    assert str(chat.chat("And how long does she take to develop?")).strip()  # a second turn, condensed
+    assert settings_llm.last_stats["num_generated"] >= 1
+
+
+def test_metadata_is_the_models_own(li_engine):
+    """Defect 5: the LLM reported "smollm2-135m" and a 2048 window whatever the engine held."""
+    llm = CacheBlendLLM(engine=li_engine, max_new_tokens=7)
+    meta = llm.metadata
+    assert meta.context_window == li_engine.context_window == li_engine.model.config.max_position_embeddings
+    assert meta.model_name == llm.model_name == li_engine.model_name and meta.num_output == 7
+    assert CacheBlendLLM(engine=li_engine, context_window=1024).metadata.context_window == 1024
+    with pytest.raises(ConfigError, match="max_tokenz"):
+        llm.complete("Hi", max_tokenz=3)
+    assert llm.complete("Tell me about bees.", max_tokens=2).additional_kwargs["num_generated"] <= 2
+
+
+def test_as_query_engine_uses_settings_llm(folder, li_engine, settings_llm, monkeypatch):
+    """Defect 4: as_query_engine(index) ignored Settings.llm and loaded a second model."""
+    index = build_index(load_documents([folder]), li_engine)
+    qe = as_query_engine(index, similarity_top_k=2)
+    assert qe._response_synthesizer._llm is settings_llm
+    assert qe._node_postprocessors[0].engine is li_engine
+    assert str(qe.query(QUESTION)).strip()
+    monkeypatch.setattr(Settings, "_llm", None)
+    with pytest.raises(ConfigError, match="Settings.llm"):
+        as_query_engine(index)
+
+
+def test_empty_files_and_nodes_never_crash(folder, li_engine):
+    """Defect 3: an empty file crashed index building (ChunkError: empty chunk), an empty node the postprocessor."""
+    docs = load_documents([folder])
+    assert len(docs) == 3  # the empty file is skipped
+    index = build_index(docs + [type(docs[0])(text="  \n")], li_engine)
+    assert len(index.docstore.docs) == 3
+    pp = KVAwareNodePostprocessor(engine=li_engine)
+    text = (DATA / "01_colony.md").read_text()
+    nodes = [NodeWithScore(node=TextNode(text=""), score=1.0), NodeWithScore(node=TextNode(text=text), score=0.5)]
+    out = pp.postprocess_nodes(nodes)
+    assert [n.node.text for n in out] == [text] and pp.last_stats["empty"] == 1
+    assert pp.last_stats["chunk_ids"] == [chunk_id(text)]
+
+
+def test_async_streaming_query_stats(chroma_index, settings_llm):
+    import asyncio
+
+    async def run():
+        response = await chroma_index.as_query_engine(similarity_top_k=2, streaming=True).aquery(QUESTION)
+        text = "".join([t async for t in response.async_response_gen()])
+        return text, response.metadata["cacheblend"]
+
+    text, stats = asyncio.run(run())
+    assert text.strip() and stats["num_generated"] >= 1
