@@ -13,8 +13,9 @@ payload is a cache miss, never garbage KV, and never an unrelated exception.
 Codecs (bytes per token for SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64):
 
     fp16 / bf16 / fp32   raw tensors                                   23,040 B (fp16)
-    int8                 absmax int8, per-token or per-channel scales  ~11.8k B  (≈1.95x)
-    cachegen             CacheGen: anchors, layer-grouped bits, range coding (see CacheGenCodec)
+    int8                 absmax int8, per-channel (K) / per-token (V)  11,720 B  (1.97x)
+    cachegen             CacheGen: anchors, layer-grouped bits, range    4,496 B  (5.1x; 600-token chunks,
+                         coding (see CacheGenCodec)                              ~2 kB fixed per layer)
 
 `python -m cacheblend_rag.store.codecs` measures them on real KV (bytes/token, error per layer
 group, encode/decode MB/s, a size-quality sweep).
@@ -381,8 +382,8 @@ class CacheGenCodec:
     def __init__(
         self,
         *,
-        key_bits: Any = (6, 5, 4),
-        value_bits: Any = (5, 4, 3),
+        key_bits: Any = (6, 4, 4),
+        value_bits: Any = (4, 3, 3),
         group_size: Any = 0,
         key_axis: str = "channel",
         value_axis: str = "channel",
