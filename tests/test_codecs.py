@@ -28,7 +28,7 @@ ROUND = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-
 # absolute rounding below the normal range (half the smallest subnormal step)
 TINY = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 SETTINGS = [("fp16", {}), ("bf16", {}), ("fp32", {}), ("int8", {}),
-            ("int8", {"key_axis": "token", "value_axis": "channel"}), ("cachegen", {}),
+            ("int8", {"key_axis": "channel", "value_axis": "channel"}), ("cachegen", {}),
             ("cachegen", {"key_bits": "8,2", "value_bits": "3", "group_size": 10, "value_axis": "token"})]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(SETTINGS)]
 
@@ -367,8 +367,9 @@ def test_random_corruption_without_checksums_never_raises_anything_but_codec_err
     assert k.shape == (12, 2, 8) and v.shape == (12, 2, 8)
 
 
-def test_int8_defaults_scale_keys_per_channel_and_values_per_token():
-    codec = Int8Codec()
+def test_int8_steps_are_per_token_by_default_and_per_channel_on_request():
     k = torch.randn(5, 2, 4)
-    enc = codec.encode_layer(k, k, 0, 1)
+    enc = Int8Codec().encode_layer(k, k, 0, 1)
+    assert enc["k_step"].shape == (5, 2, 1) and enc["v_step"].shape == (5, 2, 1)
+    enc = Int8Codec(key_axis="channel").encode_layer(k, k, 0, 1)
     assert enc["k_step"].shape == (1, 2, 4) and enc["v_step"].shape == (5, 2, 1)

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("fp16", {}),
     ("int8", {}),
-    ("int8", {"key_axis": "token", "value_axis": "token"}),
+    ("int8", {"key_axis": "channel", "value_axis": "token"}),
     ("int8", {"key_axis": "channel", "value_axis": "channel"}),
     ("cachegen", {}),
     ("cachegen", {"key_bits": "8,6,5", "value_bits": "6,5,4"}),
