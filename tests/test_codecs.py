@@ -1,0 +1,375 @@
+"""KV codecs: round trips on real model KV within bounds derived from the bits, odd shapes, dtypes, bad payloads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cacheblend_rag.errors import CacheFormatError, ConfigError
+from cacheblend_rag.store import KVKey
+from cacheblend_rag.store.codecs import (
+    CODECS,
+    CacheGenCodec,
+    CodecError,
+    Int8Codec,
+    UnknownCodecError,
+    decode_chunk,
+    encode_chunk,
+    get_codec,
+    layer_nbytes,
+    measure_codec,
+)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# relative rounding of a value cast to each dtype (half an ulp)
+ROUND = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+# absolute rounding below the normal range (half the smallest subnormal step)
+TINY = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
+SETTINGS = [("fp16", {}), ("bf16", {}), ("fp32", {}), ("int8", {}),
+            ("int8", {"key_axis": "channel", "value_axis": "channel"}), ("cachegen", {}),
+            ("cachegen", {"key_bits": "8,2", "value_bits": "3", "group_size": 10, "value_axis": "token"})]
+IDS = [f"{n}-{i}" for i, (n, _) in enumerate(SETTINGS)]
+
+
+@pytest.fixture(scope="module")
+def real_kv(default_model, passages):
+    """The stored KV (fp32, keys before RoPE) of one real MuSiQue passage, computed by the real model."""
+    from cacheblend_rag import CacheBlendEngine
+
+    engine = CacheBlendEngine(*default_model)
+    (cid,) = engine.ingest(passages[:1], show_progress=False)
+    kv = engine.kv_store.get(KVKey(engine.namespace, cid))
+    assert kv is not None and kv.keys[0].dtype == torch.float32 and kv.num_tokens > 100
+    return kv
+
+
+def _shape(k: torch.Tensor, v: torch.Tensor, layer: int, num_layers: int, dtype=torch.float32) -> dict:
+    return dict(num_tokens=k.shape[0], num_kv_heads=k.shape[1], head_dim=k.shape[2], v_head_dim=v.shape[2],
+                layer=layer, num_layers=num_layers, dtype=dtype)
+
+
+def _bound(codec, enc: dict, name: str, x: torch.Tensor, layer: int, num_layers: int) -> torch.Tensor:
+    """Per-element error bound implied by the codec's bits: half a quantization step of the stored input."""
+    if codec.name in ("fp16", "bf16", "fp32"):
+        return x.abs() * ROUND[codec.dtype] + TINY[codec.dtype]
+    axis = codec.key_axis if name == "k" else codec.value_axis
+    if codec.name == "int8":
+        levels, centred = 127, x
+    else:
+        bits = codec.bits_for(layer, num_layers)[0 if name == "k" else 1]
+        levels = 2 ** (bits - 1) - 1
+        g = codec.group_size or x.shape[0]
+        anchor = enc[f"{name}_anchor"].float()
+        groups = torch.arange(x.shape[0]) // g
+        # the anchor is the group's mean, rounded to fp16
+        means = torch.stack([x[groups == i].mean(0) for i in range(anchor.shape[0])])
+        torch.testing.assert_close(anchor, means, atol=1e-6, rtol=2.0**-10)
+        centred = x - anchor[groups]
+    amax = centred.abs().amax(-1, keepdim=True) if axis == "token" else centred.abs().amax(0, keepdim=True)
+    step = amax / levels * (1 + 2.0**-10)  # the stored step is amax/levels rounded up to fp16
+    return step / 2 + 1e-6 * x.abs() + 1e-30
+
+
+def _roundtrip_check(codec, k, v, layer, num_layers, out_dtype):
+    enc = codec.encode_layer(k, v, layer, num_layers)
+    dk, dv = codec.decode_layer(enc, **_shape(k, v, layer, num_layers, out_dtype))
+    for name, x, d in (("k", k, dk), ("v", v, dv)):
+        assert d.dtype == out_dtype and d.shape == x.shape and d.device.type == "cpu"
+        x = x.float()
+        bound = _bound(codec, enc, name, x, layer, num_layers) + d.float().abs() * ROUND[out_dtype] + TINY[out_dtype]
+        err = (d.float() - x).abs()
+        assert bool((err <= bound).all()), f"{codec.name} {name} layer {layer}: max excess {float((err - bound).max())}"
+    return enc
+
+
+# ---- round trips -----------------------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
+def test_round_trip_on_real_kv_is_within_the_bound_of_its_bits_in_every_layer(real_kv, name, params):
+    codec = get_codec(name, **params)
+    for layer in range(real_kv.num_layers):
+        _roundtrip_check(codec, real_kv.keys[layer], real_kv.values[layer], layer, real_kv.num_layers, torch.float32)
+
+
+@pytest.mark.model
+def test_fp16_round_trip_is_exact_for_fp16_kv_and_equals_the_cast_for_fp32(real_kv):
+    codec = get_codec("fp16")
+    for layer in (0, real_kv.num_layers - 1):
+        k, v = real_kv.layer(layer)
+        dk, dv = codec.decode_layer(codec.encode_layer(k, v, layer, real_kv.num_layers),
+                                    **_shape(k, v, layer, real_kv.num_layers, torch.float16))
+        assert torch.equal(dk, k.half()) and torch.equal(dv, v.half())
+        k16, v16 = k.half(), v.half()
+        dk, dv = codec.decode_layer(codec.encode_layer(k16, v16, layer, real_kv.num_layers),
+                                    **_shape(k, v, layer, real_kv.num_layers, torch.float16))
+        assert torch.equal(dk, k16) and torch.equal(dv, v16)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["fp16", "int8", "cachegen"])
+def test_every_engine_dtype_in_and_out(real_kv, name, in_dtype, out_dtype):
+    codec = get_codec(name)
+    for layer in (0, real_kv.num_layers - 1):
+        k, v = (t.to(in_dtype) for t in real_kv.layer(layer))
+        _roundtrip_check(codec, k, v, layer, real_kv.num_layers, out_dtype)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("num_tokens", [1, 2, 9, 10, 11, 23])
+@pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
+def test_odd_token_counts_of_real_kv(real_kv, name, params, num_tokens):
+    codec = get_codec(name, **params)
+    for layer in (0, real_kv.num_layers - 1):
+        k, v = (t[3:3 + num_tokens] for t in real_kv.layer(layer))
+        _roundtrip_check(codec, k, v, layer, real_kv.num_layers, torch.float32)
+
+
+@pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
+def test_odd_shapes_other_value_head_dim_zeros_and_constants(name, params):
+    codec = get_codec(name, **params)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(13, 2, 8, generator=gen) * 5 + 3
+    v = torch.randn(13, 2, 16, generator=gen)
+    for layer, num_layers in ((0, 1), (0, 3), (2, 3), (6, 7)):
+        _roundtrip_check(codec, k, v, layer, num_layers, torch.float32)
+    for fill in (0.0, 2.5):
+        z = torch.full((5, 1, 4), fill)
+        enc = codec.encode_layer(z, z, 0, 2)
+        dk, dv = codec.decode_layer(enc, **_shape(z, z, 0, 2))
+        torch.testing.assert_close(dk, z, rtol=2.0**-10, atol=0)
+        torch.testing.assert_close(dv, z, rtol=2.0**-10, atol=0)
+
+
+def test_fp16_layer_that_overflows_is_stored_in_float32_and_round_trips_exactly():
+    codec = get_codec("fp16")
+    k = torch.tensor([[[1e6, -2.0]]])
+    enc = codec.encode_layer(k, k, 0, 1)
+    assert enc["k"].dtype == torch.float32
+    dk, _ = codec.decode_layer(enc, **_shape(k, k, 0, 1))
+    assert torch.equal(dk, k)
+
+
+@pytest.mark.parametrize("name", ["int8", "cachegen"])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_quantizers_refuse_non_finite_kv(name, bad):
+    k = torch.ones(4, 1, 4)
+    k[1, 0, 2] = bad
+    with pytest.raises(CodecError, match="fp32"):
+        get_codec(name).encode_layer(k, torch.ones(4, 1, 4), 0, 1)
+
+
+def test_steps_that_fp16_cannot_hold_are_stored_in_float32():
+    codec = get_codec("int8")
+    for scale in (1e-9, 1e8):
+        k = torch.randn(6, 2, 4, generator=torch.Generator().manual_seed(1)) * scale
+        enc = _roundtrip_check(codec, k, k, 0, 1, torch.float32)
+        assert enc["k_step"].dtype == torch.float32
+
+
+# ---- sizes on real KV -------------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_int8_and_cachegen_sizes_on_real_kv(real_kv):
+    fp16 = measure_codec(get_codec("fp16"), [real_kv])
+    int8 = measure_codec(get_codec("int8"), [real_kv])
+    cachegen = measure_codec(get_codec("cachegen"), [real_kv])
+    assert fp16.ratio == pytest.approx(1.0, abs=0.01)
+    assert int8.ratio >= 1.9
+    assert cachegen.ratio >= 5.0
+    # shallow layers get more bits: their error is smaller than the deep layers'
+    assert cachegen.group_errors[0][1] < cachegen.group_errors[2][1]
+    assert cachegen.group_errors[0][3] < cachegen.group_errors[2][3]
+
+
+@pytest.mark.model
+def test_chunk_helpers_round_trip_a_whole_chunk(real_kv):
+    codec = get_codec("int8")
+    layers = encode_chunk(codec, real_kv)
+    assert len(layers) == real_kv.num_layers
+    out = decode_chunk(codec, layers, real_kv, torch.bfloat16)
+    assert out.num_layers == real_kv.num_layers and torch.equal(out.token_ids, real_kv.token_ids)
+    assert out.keys[3].dtype == torch.bfloat16 and out.positions_start == real_kv.positions_start
+    assert sum(layer_nbytes(t) for t in layers) < real_kv.nbytes / 3.5
+
+
+# ---- registry and parameters ------------------------------------------------------------------
+
+
+def test_unknown_codec_name_is_a_clear_error():
+    with pytest.raises(UnknownCodecError, match=r"unknown KV codec 'zstd'.*cachegen.*fp16.*int8"):
+        get_codec("zstd")
+    assert issubclass(UnknownCodecError, CacheFormatError) and issubclass(UnknownCodecError, ConfigError)
+
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("int8", {"key_axis": "row"}), ("int8", {"levels": "4"}), ("cachegen", {"key_bits": "9"}),
+    ("cachegen", {"key_bits": "1"}), ("cachegen", {"value_bits": ""}), ("cachegen", {"group_size": "-1"}),
+    ("cachegen", {"group_size": "ten"}), ("fp16", {"checksum": "maybe"}), ("cachegen", {"key_bits": True}),
+])
+def test_invalid_codec_parameters_are_clear_errors(name, params):
+    with pytest.raises(UnknownCodecError, match=name if "levels" in params else next(iter(params))):
+        get_codec(name, **params)
+
+
+@pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
+def test_params_rebuild_a_codec_that_decodes_the_payload(name, params):
+    codec = get_codec(name, **params)
+    stored = codec.params()
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in stored.items())
+    assert set(CODECS) >= {"fp16", "int8", "cachegen"}
+    k = torch.randn(7, 2, 8, generator=torch.Generator().manual_seed(2))
+    enc = codec.encode_layer(k, k, 1, 3)
+    rebuilt = get_codec(codec.name, **stored)
+    assert rebuilt.params() == stored
+    for a, b in zip(rebuilt.decode_layer(enc, **_shape(k, k, 1, 3)), codec.decode_layer(enc, **_shape(k, k, 1, 3))):
+        assert torch.equal(a, b)
+
+
+def test_cachegen_bits_per_layer_group_are_shallow_first():
+    codec = CacheGenCodec(key_bits="8,6,4", value_bits="5")
+    assert [codec.bits_for(layer, 30)[0] for layer in (0, 9, 10, 19, 20, 29)] == [8, 8, 6, 6, 4, 4]
+    assert {codec.bits_for(layer, 30)[1] for layer in range(30)} == {5}
+    assert [codec.bits_for(layer, 2)[0] for layer in range(2)] == [8, 6]
+
+
+# ---- corrupt, truncated and inconsistent payloads ------------------------------------------------
+
+
+def _payload(name: str, params: dict, checksum: bool = True):
+    codec = get_codec(name, **params, checksum=checksum)
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(12, 2, 8, generator=gen), torch.randn(12, 2, 8, generator=gen)
+    return codec, codec.encode_layer(k, v, 1, 4), _shape(k, v, 1, 4)
+
+
+def _reseal(codec, enc: dict) -> dict:
+    """Recompute the crc over tampered tensors, as a hostile writer could."""
+    from cacheblend_rag.store import codecs as C
+
+    old = enc["crc"]
+    enc = {k: t for k, t in enc.items() if k != "crc"}
+    # the symbols' crc (cachegen) stays the original's, so a failure is the value check's
+    return {**enc, "crc": torch.tensor([C._crc_tensors(enc)] + old.tolist()[1:], dtype=torch.int64)}
+
+
+@pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
+def test_any_flipped_byte_is_a_codec_error(name, params):
+    codec, enc, shape = _payload(name, params)
+    for tname, t in enc.items():
+        raw = t.contiguous().view(torch.uint8).reshape(-1)
+        for pos in sorted({0, raw.numel() // 2, raw.numel() - 1}):
+            bad = raw.clone()
+            bad[pos] ^= 0x41
+            tampered = {**enc, tname: bad.view(t.dtype).reshape(t.shape)}
+            with pytest.raises(CodecError):
+                codec.decode_layer(tampered, **shape)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
+def test_truncated_missing_extra_retyped_and_reshaped_tensors_are_codec_errors(name, params, checksum):
+    codec, enc, shape = _payload(name, params, checksum)
+    for tname, t in enc.items():
+        cases = [
+            {**enc, tname: t.reshape(-1)[:-1]},  # truncated
+            {k: x for k, x in enc.items() if k != tname},  # missing
+            {**enc, tname: t.reshape(-1)[:0]},  # empty
+            {**enc, tname: t.to(torch.float64)},  # another dtype
+            {**enc, tname: torch.cat([t.reshape(-1), t.reshape(-1)])},  # too long
+        ]
+        if t.dim() > 1:
+            cases.append({**enc, tname: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]) if t.dim() > 2
+                          else t.reshape(-1)})
+        for tampered in cases:
+            with pytest.raises(CodecError):
+                codec.decode_layer(tampered, **shape)
+    with pytest.raises(CodecError):
+        codec.decode_layer({**enc, "extra": torch.zeros(1)}, **shape)
+    with pytest.raises(CodecError):
+        codec.decode_layer(list(enc.values()), **shape)
+
+
+@pytest.mark.parametrize(("name", "params"), SETTINGS, ids=IDS)
+def test_a_payload_read_with_other_shapes_or_layers_is_a_codec_error(name, params):
+    codec, enc, shape = _payload(name, params)
+    for change in (dict(num_tokens=11), dict(num_tokens=13), dict(num_kv_heads=1), dict(head_dim=4),
+                   dict(v_head_dim=16), dict(layer=4), dict(layer=-1), dict(num_tokens=0), dict(dtype=torch.int8)):
+        with pytest.raises(CodecError):
+            codec.decode_layer(enc, **{**shape, **change})
+
+
+def test_cachegen_payload_for_other_bits_or_group_size_is_a_codec_error():
+    codec, enc, shape = _payload("cachegen", {})
+    for other in (dict(key_bits="7,5,4"), dict(value_bits="5"), dict(group_size=4), dict(key_axis="token")):
+        with pytest.raises(CodecError):
+            get_codec("cachegen", **other).decode_layer(enc, **shape)
+    # layer 1 of 4 sits in the first layer group; read as layer 3 of 4 it needs other bits
+    with pytest.raises(CodecError, match="encoded for"):
+        codec.decode_layer(enc, **{**shape, "layer": 3})
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_hostile_but_well_formed_values_are_codec_errors(checksum):
+    """Tampered tensors with a recomputed crc (or none): the decoders check their values, not only bytes."""
+    int8, enc, shape = _payload("int8", {}, checksum)
+    cases = [{**enc, "k": torch.full_like(enc["k"], -128)}, {**enc, "k_step": torch.zeros_like(enc["k_step"])},
+             {**enc, "v_step": torch.full_like(enc["v_step"], math.inf)},
+             {**enc, "v_step": -enc["v_step"]}]
+    cg, cenc, cshape = _payload("cachegen", {}, checksum)
+    ccases = [{**cenc, "tables": torch.zeros_like(cenc["tables"])},
+              {**cenc, "k_anchor": torch.full_like(cenc["k_anchor"], math.nan)},
+              {**cenc, "v_step": torch.zeros_like(cenc["v_step"])},
+              {**cenc, "meta": cenc["meta"] + 1},
+              {**cenc, "payload": cenc["payload"][:-1]}]
+    for codec, tampered_list, s in ((int8, cases, shape), (cg, ccases, cshape)):
+        for tampered in tampered_list:
+            if checksum:
+                tampered = _reseal(codec, tampered)
+            with pytest.raises(CodecError):
+                codec.decode_layer(tampered, **s)
+
+
+def test_cachegen_symbols_that_decode_differently_fail_their_crc():
+    """A rewritten range-coder payload with a valid outer crc still fails: the symbols' crc catches it."""
+    codec, enc, shape = _payload("cachegen", {})
+    from cacheblend_rag.store import codecs as C
+
+    payload = enc["payload"].clone()
+    payload[len(payload) // 2] ^= 0xFF
+    tampered = {**enc, "payload": payload}
+    tampered["crc"] = torch.tensor([C._crc_tensors(tampered), int(enc["crc"][1])], dtype=torch.int64)
+    with pytest.raises(CodecError, match="symbols"):
+        codec.decode_layer(tampered, **shape)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_corruption_without_checksums_never_raises_anything_but_codec_error(seed):
+    """With checksums off a decoder may return wrong values, but only a CodecError or well-shaped KV."""
+    gen = torch.Generator().manual_seed(seed)
+    name, params = SETTINGS[int(torch.randint(len(SETTINGS), (1,), generator=gen))]
+    codec, enc, shape = _payload(name, params, checksum=False)
+    tname = sorted(enc)[int(torch.randint(len(enc), (1,), generator=gen))]
+    raw = enc[tname].contiguous().view(torch.uint8).reshape(-1).clone()
+    idx = torch.randint(raw.numel(), (3,), generator=gen)
+    raw[idx] = torch.randint(256, (3,), generator=gen, dtype=torch.uint8)
+    tampered = {**enc, tname: raw.view(enc[tname].dtype).reshape(enc[tname].shape)}
+    try:
+        k, v = codec.decode_layer(tampered, **shape)
+    except CodecError:
+        return
+    assert k.shape == (12, 2, 8) and v.shape == (12, 2, 8)
+
+
+def test_int8_steps_are_per_token_by_default_and_per_channel_on_request():
+    k = torch.randn(5, 2, 4)
+    enc = Int8Codec().encode_layer(k, k, 0, 1)
+    assert enc["k_step"].shape == (5, 2, 1) and enc["v_step"].shape == (5, 2, 1)
+    enc = Int8Codec(key_axis="channel").encode_layer(k, k, 0, 1)
+    assert enc["k_step"].shape == (1, 2, 4) and enc["v_step"].shape == (5, 2, 1)
