@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -289,6 +290,21 @@ def test_kill_9_then_restart_misses_failed_puts_one_warning_then_hits(server, ca
     down = [r for r in caplog.records if "unavailable" in r.getMessage()]
     back = [r for r in caplog.records if "available again" in r.getMessage()]
     assert len(down) == 1 and down[0].levelno == logging.WARNING and len(back) == 1
+    assert store.stats()["available"] is True
+
+
+def test_a_stalled_redis_times_out_into_a_miss_and_serves_again_when_it_resumes(server) -> None:
+    store = store_at(server, socket_timeout=0.3)
+    store.put(key(), make_kv())
+    os.kill(server.proc.pid, signal.SIGSTOP)  # alive, accepting nothing: a slow Redis
+    try:
+        assert store.get(key()) is None and store.reader(key()) is None
+        with pytest.raises(KVWriteError):
+            store.put(key("0ther"), make_kv())
+        assert store.stats()["outages"] == 1 and store.stats()["available"] is False
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert_kv_equal(store.get(key()), make_kv())
     assert store.stats()["available"] is True
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "LayerReadError",
     "LayerReader",
     "MemoryStore",
+    "RedisStore",
     "ResidentReader",
     "TieredStore",
     "open_store",
@@ -30,6 +31,15 @@ __all__ = [
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 StoreSpec = str | Path | KVStore
+
+
+def __getattr__(name: str):
+    """RedisStore on first use (redis-py is an optional dependency)."""
+    if name == "RedisStore":
+        from .redis import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_redis(spec: str) -> bool:
