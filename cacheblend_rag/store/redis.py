@@ -91,7 +91,8 @@ def _from_bytes(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) ->
 
 
 def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
-    return bool((torch.isfinite(src) & ~torch.isfinite(cast)).any())
+    """Whether casting turned finite values into inf (one pass over the cast in the usual no-inf case)."""
+    return bool(torch.isinf(cast).any()) and bool((torch.isfinite(src) & ~torch.isfinite(cast)).any())
 
 
 def split_url(url: str) -> tuple[str, dict[str, str]]:
