@@ -71,7 +71,8 @@ class TieredStore:
 
     def __init__(self, *tiers: KVStore) -> None:
         if not tiers:
-            raise ConfigError("TieredStore needs at least one tier, fastest first (e.g. MemoryStore(), DiskStore(path))")
+            raise ConfigError("TieredStore needs at least one tier, fastest first "
+                              "(e.g. MemoryStore(), DiskStore(path))")
         self.stores: tuple[KVStore, ...] = tuple(tiers)
         self.names = [_name(s) for s in tiers]
         # Write-through means the next tier usually has evicted entries already; the spill covers the cases
