@@ -30,7 +30,8 @@ TEXTS = [
     "The violin has four strings tuned in perfect fifths: G, D, A and E.",
 ]
 QUESTION = "Which rivers meet in Lyon?"
-STORE_CLASSES = {"DiskStore", "MemoryStore", "TieredStore", "DiskReader", "ResidentReader", "PromotingReader"}
+STORE_CLASSES = {"DiskStore", "MemoryStore", "TieredStore", "RedisStore", "DiskReader", "ResidentReader",
+                 "PromotingReader", "RedisReader"}
 
 
 def test_a_disk_reader_checks_its_header_once_per_request_not_once_per_layer(tokenizer, tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
-"""KV-cache stores: in-memory LRU, validated on-disk safetensors, and the two tiered."""
+"""KV-cache stores: in-memory LRU, validated on-disk safetensors, a shared Redis tier, and chains of them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -21,26 +22,82 @@ __all__ = [
     "LayerReadError",
     "LayerReader",
     "MemoryStore",
+    "RedisStore",
     "ResidentReader",
     "TieredStore",
     "open_store",
     "token_ids_digest",
 ]
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+StoreSpec = str | Path | KVStore
+
+
+def __getattr__(name: str):
+    """RedisStore on first use (redis-py is an optional dependency)."""
+    if name == "RedisStore":
+        from .redis import RedisStore
+
+        return RedisStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_redis(spec: str) -> bool:
+    return spec.startswith(REDIS_SCHEMES)
+
 
 def open_store(
-    path: str | Path | KVStore | None,
+    path: StoreSpec | Sequence[StoreSpec] | None,
     *,
     memory_bytes: int | None = 2 * 1024**3,
     disk_bytes: int | None = None,
     disk_dtype: torch.dtype = torch.float16,
 ) -> KVStore:
-    """None -> MemoryStore; a directory -> memory tier over a DiskStore there; a KVStore -> itself."""
+    """Build the KV store from a spec.
+
+    None -> MemoryStore; a directory -> memory over a DiskStore there; "redis://host:port/db[?prefix=NAME]" ->
+    memory over Redis; a KVStore -> itself; a list of tiers fastest first, each "memory", "disk:PATH" (or a Path),
+    "redis://..." or a KVStore -> a TieredStore of them (e.g. ["memory", "disk:~/kv", "redis://cache:6379/0"]).
+    """
     if path is None:
         return MemoryStore(memory_bytes)
+    if isinstance(path, KVStore):
+        return path
+    if isinstance(path, str) and _is_redis(path):
+        return TieredStore(MemoryStore(memory_bytes), _redis(path, disk_dtype))
     if isinstance(path, (str, Path)):
         # "~/kv" means the home folder, never a literal "./~" folder
         return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype))
-    if isinstance(path, KVStore):
-        return path
-    raise ConfigError(f"open_store expects None, a path or a KVStore, got {type(path).__name__}")
+    if isinstance(path, Sequence):
+        tiers = [_tier(spec, i, memory_bytes, disk_bytes, disk_dtype) for i, spec in enumerate(path)]
+        if not tiers:
+            raise ConfigError("open_store got an empty list of tiers; give at least one, e.g. ['memory']")
+        return tiers[0] if len(tiers) == 1 else TieredStore(*tiers)
+    raise ConfigError(f"open_store expects None, a path, a redis:// URL, a KVStore or a list of them, "
+                      f"got {type(path).__name__}")
+
+
+def _tier(spec: StoreSpec, index: int, memory_bytes: int | None, disk_bytes: int | None,
+          disk_dtype: torch.dtype) -> KVStore:
+    """One tier of a list spec."""
+    if isinstance(spec, KVStore):
+        return spec
+    if isinstance(spec, Path):
+        return DiskStore(spec.expanduser(), disk_bytes, disk_dtype)
+    if isinstance(spec, str):
+        if spec == "memory":
+            if index:
+                raise ConfigError('"memory" must be the first tier: tiers are listed fastest first')
+            return MemoryStore(memory_bytes)
+        if spec.startswith("disk:") and len(spec) > 5:
+            return DiskStore(Path(spec[5:]).expanduser(), disk_bytes, disk_dtype)
+        if _is_redis(spec):
+            return _redis(spec, disk_dtype)
+    raise ConfigError(f"unknown KV tier {spec!r}; use \"memory\", \"disk:PATH\", \"redis://host:port/db\" "
+                      "or a KVStore")
+
+
+def _redis(url: str, dtype: torch.dtype) -> KVStore:
+    from .redis import RedisStore  # redis-py is an optional dependency
+
+    return RedisStore.from_url(url, dtype=dtype)

@@ -1,4 +1,5 @@
-"""Two-tier KV store: an in-memory LRU in front of a disk store."""
+"""A chain of KV stores, fastest first (memory → disk → Redis, any subset): reads from the first tier that has
+the entry, writes through to all, promotes hits into the faster tiers, spills memory evictions to the next."""
 
 from __future__ import annotations
 
@@ -8,20 +9,32 @@ from pathlib import Path
 
 import torch
 
-from ..errors import KVWriteError
-from .base import ChunkKV, KVKey, LayerReader
-from .disk import DiskReader, DiskStore
-from .memory import MemoryStore
+from ..errors import ConfigError, KVWriteError
+from .base import ChunkKV, KVKey, KVStore, LayerReader
 
 logger = logging.getLogger(__name__)
 
 
-class PromotingReader:
-    """A disk reader that, when its request ends, moves the whole entry into the memory tier (LRU)."""
+def _name(store: KVStore) -> str:
+    """A tier's name ("memory", "disk", "redis", ...): the first of its own tiers()."""
+    return next(iter(store.tiers()), type(store).__name__)
 
-    def __init__(self, reader: DiskReader, memory: MemoryStore) -> None:
+
+def _promote(faster: tuple[KVStore, ...], key: KVKey, kv: ChunkKV) -> None:
+    """Copy an entry into the faster tiers, best effort (a failed write is logged, never raised)."""
+    for store in faster:
+        try:
+            store.put(key, kv)
+        except (KVWriteError, OSError) as e:
+            logger.debug("could not promote %s into the %s tier: %s", key, _name(store), e)
+
+
+class PromotingReader:
+    """A slower tier's reader that, when its request ends, copies the whole entry into the faster tiers."""
+
+    def __init__(self, reader: LayerReader, faster: tuple[KVStore, ...]) -> None:
         self._reader = reader
-        self._memory = memory
+        self._faster = faster
         self.key, self.tier, self.token_ids = reader.key, reader.tier, reader.token_ids
         self.num_layers, self.layer_nbytes = reader.num_layers, reader.layer_nbytes
 
@@ -36,85 +49,131 @@ class PromotingReader:
         return self._reader.bytes_read
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer from disk."""
+        """One layer from the slower tier."""
         return self._reader.layer(layer)
 
     def close(self) -> None:
-        """Promote the entry (reading the layers the request skipped), then release the file."""
+        """Promote the entry (reading the layers the request skipped), then release the reader."""
         read = self._reader.bytes_read
-        kv = self._reader.complete()
+        complete = getattr(self._reader, "complete", None)
+        kv = complete() if complete is not None else None
         self._reader.bytes_read = read
         self._reader.close()
-        if kv is not None:
-            self._memory.put(self._reader.key, kv)
+        if kv is not None and self.key is not None:
+            _promote(self._faster, self.key, kv)
 
 
 class TieredStore:
-    """Memory then disk; write-through puts, disk hits promoted, memory evictions spilled."""
+    """Tiers fastest first; write-through puts, hits promoted into the faster tiers, memory evictions spilled.
 
-    def __init__(self, memory: MemoryStore, disk: DiskStore) -> None:
-        self.memory = memory
-        self.disk = disk
-        # Write-through means the disk usually has evicted entries already; the spill covers
-        # the cases where it does not (disk write failed, or disk evicted it first).
-        memory.on_evict = self._spill
+    `TieredStore(memory, disk)` is the classic pair; `TieredStore(memory, disk, redis)` adds a shared tier.
+    """
+
+    def __init__(self, *tiers: KVStore) -> None:
+        if not tiers:
+            raise ConfigError("TieredStore needs at least one tier, fastest first "
+                              "(e.g. MemoryStore(), DiskStore(path))")
+        self.stores: tuple[KVStore, ...] = tuple(tiers)
+        self.names = [_name(s) for s in tiers]
+        # Write-through means the next tier usually has evicted entries already; the spill covers the cases
+        # where it does not (its write failed, or it evicted the entry first).
+        for i, store in enumerate(tiers):
+            if hasattr(store, "on_evict") and i + 1 < len(tiers):
+                store.on_evict = self._spiller(tiers[i + 1:])
         self._lock = threading.Lock()
         self._hits = self._misses = 0
 
+    @property
+    def memory(self):
+        """The memory tier (the first one named "memory"), or None."""
+        return self._tier("memory")
+
+    @property
+    def disk(self):
+        """The disk tier (the first one named "disk"), or None."""
+        return self._tier("disk")
+
+    @property
+    def redis(self):
+        """The Redis tier, or None."""
+        return self._tier("redis")
+
     def get(self, key: KVKey) -> ChunkKV | None:
-        """From memory, else from disk (then kept in memory), else None."""
-        kv = self.memory.get(key)
-        if kv is None:
-            kv = self.disk.get(key)
+        """From the first tier that has it (then copied into the faster ones), else None."""
+        for i, store in enumerate(self.stores):
+            kv = store.get(key)
             if kv is not None:
-                self.memory.put(key, kv)
-        self._count(kv is not None)
-        return kv
+                _promote(self.stores[:i], key, kv)
+                self._count(True)
+                return kv
+        self._count(False)
+        return None
 
     def reader(self, key: KVKey) -> LayerReader | None:
-        """From memory, else a disk reader that promotes the entry when the request ends, else None."""
-        reader: LayerReader | None = self.memory.reader(key)
-        if reader is None:
-            disk = self.disk.reader(key)
-            reader = PromotingReader(disk, self.memory) if disk is not None else None
-        self._count(reader is not None)
-        return reader
+        """A reader from the first tier that has the entry (promoting it when the request ends), else None."""
+        for i, store in enumerate(self.stores):
+            reader = store.reader(key)
+            if reader is not None:
+                self._count(True)
+                return PromotingReader(reader, self.stores[:i]) if i else reader
+        self._count(False)
+        return None
 
     def token_ids(self, key: KVKey) -> torch.Tensor | None:
-        """From whichever tier holds the entry."""
-        ids = self.memory.token_ids(key)
-        return ids if ids is not None else self.disk.token_ids(key)
+        """From the first tier that holds the entry."""
+        for store in self.stores:
+            ids = store.token_ids(key)
+            if ids is not None:
+                return ids
+        return None
 
     def put(self, key: KVKey, kv: ChunkKV) -> None:
-        """Write to memory and disk; a failed disk write raises KVWriteError (the memory copy stands)."""
-        self.memory.put(key, kv)
-        self.disk.put(key, kv)
+        """Write to every tier; KVWriteError only if no tier but memory kept it (when there is one)."""
+        failures: list[str] = []
+        kept_durably = False
+        durable = [n != "memory" for n in self.names]
+        for store, name, is_durable in zip(self.stores, self.names, durable):
+            try:
+                store.put(key, kv)
+            except (KVWriteError, OSError) as e:
+                failures.append(f"{name}: {e}")
+                continue
+            kept_durably |= is_durable
+        if any(durable) and not kept_durably:
+            raise KVWriteError(f"no tier beyond memory could keep the KV of {key} ({'; '.join(failures)})")
+        if failures:
+            logger.debug("KV of %s not written to every tier: %s", key, "; ".join(failures))
 
     def contains(self, key: KVKey) -> bool:
-        """Whether either tier has the key (the disk's entry validated)."""
-        return self.memory.contains(key) or self.disk.contains(key)
+        """Whether any tier has the key (validated the way that tier validates)."""
+        return any(store.contains(key) for store in self.stores)
 
     def delete(self, key: KVKey) -> bool:
-        """Remove from both tiers; True if either had it."""
-        in_memory = self.memory.delete(key)
-        on_disk = self.disk.delete(key)
-        return in_memory or on_disk
+        """Remove from every tier; True if any had it."""
+        removed = [store.delete(key) for store in self.stores]
+        return any(removed)
 
     def tiers(self) -> dict[str, Path | None]:
-        """Memory, then disk."""
-        return {**self.memory.tiers(), **self.disk.tiers()}
+        """Every tier, fastest first."""
+        merged: dict[str, Path | None] = {}
+        for store in self.stores:
+            merged.update(store.tiers())
+        return merged
 
     def stats(self) -> dict:
-        """Overall hits/misses plus each tier's stats."""
+        """Overall hits/misses plus each tier's stats under its name."""
         with self._lock:
             hits, misses = self._hits, self._misses
-        return {
-            "tier": "tiered",
-            "hits": hits,
-            "misses": misses,
-            "memory": self.memory.stats(),
-            "disk": self.disk.stats(),
-        }
+        out: dict = {"tier": "tiered", "hits": hits, "misses": misses, "tiers": list(self.names)}
+        for name, store in zip(self.names, self.stores):
+            out.setdefault(name, store.stats())
+        return out
+
+    def _tier(self, name: str):
+        for n, store in zip(self.names, self.stores):
+            if n == name:
+                return store
+        return None
 
     def _count(self, hit: bool) -> None:
         with self._lock:
@@ -123,10 +182,16 @@ class TieredStore:
             else:
                 self._misses += 1
 
-    def _spill(self, key: KVKey, kv: ChunkKV) -> None:
-        if not self.disk.contains(key):
-            logger.debug("spilling %s from memory to disk", key)
-            try:
-                self.disk.put(key, kv)
-            except KVWriteError as e:
-                logger.warning("could not spill %s to disk: %s", key, e)
+    @staticmethod
+    def _spiller(slower: tuple[KVStore, ...]):
+        def spill(key: KVKey, kv: ChunkKV) -> None:
+            for store in slower:
+                if store.contains(key):
+                    return
+                try:
+                    store.put(key, kv)
+                    logger.debug("spilled %s into the %s tier", key, _name(store))
+                    return
+                except (KVWriteError, OSError) as e:
+                    logger.debug("could not spill %s into the %s tier: %s", key, _name(store), e)
+        return spill

@@ -1,0 +1,530 @@
+"""Shared KV tier on Redis (or Valkey): one hash per entry, read one layer per round trip.
+
+Layout of an entry, key `{prefix}:{namespace}:{chunk_id}` (a hash, so Redis's LRU evicts it whole):
+
+    meta   JSON header: format, version, namespace, chunk_id, kv_digest, shapes, dtype, positions_start,
+           put_id (unique per write), ids_crc32, layer_crc32[num_layers]
+    ids    token ids, int64 little-endian
+    L{l}   layer l: keys (num_tokens, num_kv_heads, head_dim) then values (num_tokens, num_kv_heads, v_head_dim)
+
+A put is one MULTI/EXEC (DEL + HSET): readers see the old entry or the new one, never a mix. A reader does one
+HMGET(meta, ids) at open (header bounded, key binding, digest checked once) and one HGET per layer (crc-checked).
+A value that fails a check is deleted and reads as a miss. Redis down or slow never raises out of this store:
+reads are misses, a put raises KVWriteError, a warning is logged once per outage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import torch
+
+from ..errors import ConfigError, KVWriteError, MissingDependencyError
+from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FORMAT = "cacheblend-kv-redis"
+FORMAT_VERSION = 1
+MAX_META_BYTES = 256 * 1024  # ours are ~1 kB; a larger header is hostile or foreign and never parsed
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_dim", "positions_start")
+_INT_MAX = 10**9
+_LOGGED_CHARS = 200
+_META, _IDS = b"meta", b"ids"
+# Delete the entry only if it is still the version we judged bad (a concurrent put may have replaced it).
+_DELETE_IF_META = """
+local m = redis.call('HGET', KEYS[1], 'meta')
+if (m == false and ARGV[1] == '') or m == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class _Failure(Exception):
+    """Internal: Redis could not answer (down, slow, in an outage's back-off, or it refused the command)."""
+
+
+class _Corrupt(Exception):
+    """Internal: the value at a key is not a valid entry for that key."""
+
+
+def _import_redis():
+    try:
+        import redis
+    except ImportError as e:
+        raise MissingDependencyError(
+            "the Redis KV tier needs redis-py: pip install 'cacheblend-rag[redis]'") from e
+    return redis
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _LOGGED_CHARS else f"{text[:_LOGGED_CHARS]}... ({len(text)} chars)"
+
+
+def _field(layer: int) -> bytes:
+    return f"L{layer}".encode()
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor owning a copy of `data` (one copy; Redis's reply bytes are immutable)."""
+    if len(data) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+
+
+def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
+    """Whether casting turned finite values into inf (one pass over the cast in the usual no-inf case)."""
+    return bool(torch.isinf(cast).any()) and bool((torch.isfinite(src) & ~torch.isfinite(cast)).any())
+
+
+def split_url(url: str) -> tuple[str, dict[str, str]]:
+    """(the URL redis-py understands, our own options `prefix` and `dtype` taken from its query)."""
+    parts = urlsplit(url)
+    ours, theirs = {}, []
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        (ours.__setitem__(name, value) if name in ("prefix", "dtype") else theirs.append((name, value)))
+    return urlunsplit(parts._replace(query=urlencode(theirs))), ours
+
+
+def _display(url: str) -> str:
+    """The URL without credentials or query (for logs and stats)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class RedisStore:
+    """KV entries as Redis hashes under `{prefix}:{namespace}:{chunk_id}`, validated on every read.
+
+    Eviction is Redis's own (`maxmemory` + `maxmemory-policy allkeys-lru`): an entry is one key, so it goes whole.
+    After a failed call (connection refused, timeout), calls in the next `retry_after_s` seconds are not tried
+    (counted as `skipped`), so a dead or slow Redis costs a request at most one timeout per back-off period.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "cacheblend",
+        dtype: torch.dtype = torch.float16,
+        socket_timeout: float = 1.0,
+        connect_timeout: float = 0.5,
+        max_connections: int = 32,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        redis = _import_redis()
+        if not prefix or not all(c.isalnum() or c in "-_." for c in prefix):
+            raise ConfigError(f"Redis key prefix must be non-empty [A-Za-z0-9_.-], got {prefix!r}")
+        if _dtype_name(dtype) not in _DTYPES:
+            raise ConfigError(f"Redis tier dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+        if socket_timeout <= 0 or connect_timeout <= 0 or max_connections < 1 or retry_after_s < 0:
+            raise ConfigError("socket_timeout and connect_timeout must be > 0, max_connections >= 1, "
+                              "retry_after_s >= 0")
+        self.url = _display(url)
+        self.prefix = prefix
+        self.dtype = dtype
+        self.retry_after_s = retry_after_s
+        self._redis = redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        try:
+            # One immediate retry on a dropped connection (a restarted server), none on a timeout (a slow one).
+            self._pool = redis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=socket_timeout, socket_timeout=socket_timeout,
+                socket_connect_timeout=connect_timeout, decode_responses=False,
+                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"bad Redis URL {self.url!r}: {e}; expected redis://[:password@]host:port/db"
+                              "[?prefix=NAME&dtype=float16]") from e
+        self._client = redis.Redis(connection_pool=self._pool)
+        self._delete_if = self._client.register_script(_DELETE_IF_META)
+        self._outage_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+        self._hits = self._misses = self._puts = self._corrupt = 0
+        self._errors = self._skipped = self._outages = 0
+        self._bytes_read = self._bytes_written = 0
+        logger.info("Redis KV tier at %s, prefix %r, %s", self.url, prefix, _dtype_name(dtype))
+
+    @classmethod
+    def from_url(cls, url: str, *, dtype: torch.dtype = torch.float16, **options: Any) -> "RedisStore":
+        """A store from `redis://host:port/db?prefix=NAME&dtype=float16` (our options read from the query)."""
+        plain, ours = split_url(url)
+        if "dtype" in ours:
+            if ours["dtype"] not in _DTYPES:
+                raise ConfigError(f"dtype={ours['dtype']!r} in {_display(url)}; use one of {sorted(_DTYPES)}")
+            dtype = _DTYPES[ours["dtype"]]
+        if "prefix" in ours:
+            options["prefix"] = ours["prefix"]
+        return cls(plain, dtype=dtype, **options)
+
+    # ---- public API -------------------------------------------------------------------
+
+    def name_for(self, key: KVKey) -> str:
+        """The Redis key of an entry."""
+        return f"{self.prefix}:{key.namespace}:{key.chunk_id}"
+
+    def get(self, key: KVKey) -> ChunkKV | None:
+        """The validated entry on CPU in its stored dtype (one HGETALL), or None."""
+        name = self.name_for(key)
+        try:
+            fields = self._call(lambda: self._client.hgetall(name))
+        except _Failure:
+            return self._count_miss()
+        if not fields:
+            return self._count_miss()
+        raw_meta = fields.get(_META)
+        try:
+            meta, token_ids = self._header(key, raw_meta, fields.get(_IDS))
+            n = meta["num_layers"]
+            if set(fields) != {_META, _IDS} | {_field(i) for i in range(n)}:
+                raise _Corrupt("unexpected fields")
+            layers = [self._layer(meta, i, fields[_field(i)]) for i in range(n)]
+        except _Corrupt as e:
+            self._drop(key, raw_meta, str(e))
+            return self._count_miss()
+        with self._lock:
+            self._hits += 1
+            self._bytes_read += sum(len(fields[_field(i)]) for i in range(n))
+        return ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), token_ids, meta["positions_start"])
+
+    def reader(self, key: KVKey) -> "RedisReader | None":
+        """A per-layer reader: header and token ids fetched (one HMGET) and validated now, or None."""
+        opened = self._open(key)
+        if opened is None:
+            return self._count_miss()
+        with self._lock:
+            self._hits += 1
+        return RedisReader(self, key, *opened)
+
+    def token_ids(self, key: KVKey) -> torch.Tensor | None:
+        """The entry's token ids, validated against its header and digest (no layer is read), or None."""
+        opened = self._open(key)
+        return None if opened is None else opened[2]
+
+    def put(self, key: KVKey, kv: ChunkKV) -> None:
+        """Store or replace an entry in one MULTI/EXEC; KVWriteError if Redis is down or refuses it."""
+        fields = self._serialize(key, kv)
+        name = self.name_for(key)
+
+        def write() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(name)
+            pipe.hset(name, mapping=fields)
+            pipe.execute()
+
+        try:
+            self._call(write)
+        except _Failure as e:
+            raise KVWriteError(f"could not write the KV of {key} to Redis at {self.url}: {e}; check that Redis "
+                               "is up and reachable and that its maxmemory-policy evicts (allkeys-lru)") from e
+        with self._lock:
+            self._puts += 1
+            self._bytes_written += sum(len(v) for v in fields.values())
+
+    def contains(self, key: KVKey) -> bool:
+        """Whether a valid-looking entry is stored (header, field count and token digest checked)."""
+        return self._open(key) is not None
+
+    def delete(self, key: KVKey) -> bool:
+        """Remove an entry; True if one was removed (False too when Redis is unavailable)."""
+        try:
+            return bool(self._call(lambda: self._client.delete(self.name_for(key))))
+        except _Failure:
+            return False
+
+    def tiers(self) -> dict[str, Path | None]:
+        """One tier, in Redis."""
+        return {"redis": None}
+
+    def stats(self) -> dict:
+        """Counters of this process's use of the tier (Redis's own occupancy: INFO memory)."""
+        with self._lock:
+            return {
+                "tier": "redis",
+                "url": self.url,
+                "prefix": self.prefix,
+                "hits": self._hits,
+                "misses": self._misses,
+                "puts": self._puts,
+                "corrupt": self._corrupt,
+                "errors": self._errors,
+                "skipped": self._skipped,
+                "outages": self._outages,
+                "available": self._down_since is None,
+                "bytes_read": self._bytes_read,
+                "bytes_written": self._bytes_written,
+            }
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._pool.disconnect()
+
+    # ---- Redis calls and outages --------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run one Redis round trip; every failure becomes _Failure (nothing from redis-py leaks out)."""
+        with self._lock:
+            if self._down_since is not None and time.monotonic() < self._retry_at:
+                self._skipped += 1
+                raise _Failure("unavailable (waiting before trying again)")
+        try:
+            result = fn()
+        except self._outage_errors as e:
+            self._went_down(e)
+            raise _Failure(f"{type(e).__name__}: {e}") from e
+        except self._redis.exceptions.RedisError as e:  # up, but refused the command (OOM, WRONGTYPE, ...)
+            with self._lock:
+                self._errors += 1
+            raise _Failure(f"{type(e).__name__}: {_short(str(e))}") from e
+        if self._down_since is not None:
+            with self._lock:
+                down_since, self._down_since = self._down_since, None
+            if down_since is not None:
+                logger.info("Redis KV tier at %s is available again after %.1f s", self.url,
+                            time.monotonic() - down_since)
+        return result
+
+    def _went_down(self, e: BaseException) -> None:
+        with self._lock:
+            self._errors += 1
+            self._retry_at = time.monotonic() + self.retry_after_s
+            first = self._down_since is None
+            if first:
+                self._down_since = time.monotonic()
+                self._outages += 1
+        if first:
+            logger.warning("Redis KV tier at %s is unavailable (%s: %s); reads are misses and writes are skipped "
+                           "until it is back (said once per outage)", self.url, type(e).__name__, _short(str(e)))
+
+    def _count_miss(self) -> None:
+        with self._lock:
+            self._misses += 1
+        return None
+
+    # ---- writing ----------------------------------------------------------------------
+
+    def _serialize(self, key: KVKey, kv: ChunkKV) -> dict[bytes, bytes]:
+        if kv.positions_start < 0:
+            raise ConfigError(f"positions_start must be >= 0, got {kv.positions_start}")
+        dtype = self.dtype
+        src = [(k.detach().cpu(), v.detach().cpu()) for k, v in zip(kv.keys, kv.values)]
+        cast = [(k.to(dtype), v.to(dtype)) for k, v in src]
+        if dtype != torch.float32 and any(_overflows(s, c) for pair, cpair in zip(src, cast)
+                                          for s, c in zip(pair, cpair) if s.dtype != c.dtype):
+            logger.warning("KV of %s overflows %s; storing this entry in float32", key, _dtype_name(dtype))
+            dtype = torch.float32
+            cast = [(k.to(dtype), v.to(dtype)) for k, v in src]
+        layers = [_to_bytes(k) + _to_bytes(v) for k, v in cast]
+        token_ids = kv.token_ids.detach().to("cpu", torch.int64).contiguous()
+        ids = _to_bytes(token_ids)
+        k0, v0 = cast[0]
+        meta = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "namespace": key.namespace,
+            "chunk_id": key.chunk_id,
+            "kv_digest": token_ids_digest(key.namespace, token_ids),
+            "num_layers": kv.num_layers,
+            "num_tokens": kv.num_tokens,
+            "num_kv_heads": int(k0.shape[1]),
+            "head_dim": int(k0.shape[2]),
+            "v_head_dim": int(v0.shape[2]),
+            "dtype": _dtype_name(dtype),
+            "positions_start": int(kv.positions_start),
+            "put_id": uuid.uuid4().hex,
+            "ids_crc32": zlib.crc32(ids),
+            "layer_crc32": [zlib.crc32(b) for b in layers],
+        }
+        fields = {_META: json.dumps(meta, separators=(",", ":")).encode(), _IDS: ids}
+        fields.update({_field(i): b for i, b in enumerate(layers)})
+        return fields
+
+    # ---- reading and validation -------------------------------------------------------
+
+    def _open(self, key: KVKey) -> tuple[dict, bytes, torch.Tensor] | None:
+        """(meta, raw meta, token ids) after one round trip (HMGET meta ids + HLEN), validated; or None."""
+        name = self.name_for(key)
+
+        def fetch() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hmget(name, [_META, _IDS])
+            pipe.hlen(name)
+            return pipe.execute(raise_on_error=False)
+
+        try:
+            replies = self._call(fetch)
+        except _Failure:
+            return None
+        if any(isinstance(r, Exception) for r in replies):  # an error reply (WRONGTYPE): not one of ours
+            self._drop(key, None, f"not a hash: {replies}", force=True)
+            return None
+        (raw_meta, raw_ids), num_fields = replies
+        if raw_meta is None and raw_ids is None and not num_fields:
+            return None
+        try:
+            meta, token_ids = self._header(key, raw_meta, raw_ids)
+            if num_fields != meta["num_layers"] + 2:
+                raise _Corrupt(f"{num_fields} fields for {meta['num_layers']} layers")
+        except _Corrupt as e:
+            self._drop(key, raw_meta, str(e))
+            return None
+        return meta, raw_meta, token_ids
+
+    def _header(self, key: KVKey, raw_meta: bytes | None, raw_ids: bytes | None) -> tuple[dict, torch.Tensor]:
+        """The validated header and token ids: bounded size, format, key binding, shapes, crc, digest."""
+        if raw_meta is None or raw_ids is None:
+            raise _Corrupt("meta or ids field missing")
+        if len(raw_meta) > MAX_META_BYTES:
+            raise _Corrupt(f"header of {len(raw_meta)} bytes is over the {MAX_META_BYTES}-byte bound")
+        try:
+            meta = json.loads(raw_meta)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _Corrupt(f"header is not JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise _Corrupt("header is not an object")
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise _Corrupt(f"format {_short(meta.get('format'))} v{_short(meta.get('version'))}")
+        if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
+            raise _Corrupt(f"entry holds {_short(meta.get('namespace'))}/{_short(meta.get('chunk_id'))}, not {key}")
+        if meta.get("dtype") not in _DTYPES:
+            raise _Corrupt(f"unknown dtype {_short(meta.get('dtype'))}")
+        for name in _INT_FIELDS:
+            value = meta.get(name)
+            if type(value) is not int or not 0 <= value < _INT_MAX:
+                raise _Corrupt(f"bad {name}={_short(value)}")
+        n_layers, n_tokens = meta["num_layers"], meta["num_tokens"]
+        crcs = meta.get("layer_crc32")
+        if n_layers < 1 or not isinstance(crcs, list) or len(crcs) != n_layers:
+            raise _Corrupt("num_layers and layer_crc32 disagree")
+        if len(raw_ids) != 8 * n_tokens or zlib.crc32(raw_ids) != meta.get("ids_crc32"):
+            raise _Corrupt("token ids do not match their length or checksum")
+        token_ids = _from_bytes(memoryview(raw_ids), torch.int64, (n_tokens,))
+        if token_ids_digest(key.namespace, token_ids) != meta.get("kv_digest"):
+            raise _Corrupt("kv_digest does not match the stored token ids")
+        return meta, token_ids
+
+    @staticmethod
+    def layer_nbytes(meta: dict) -> int:
+        """Stored bytes of one layer (keys then values)."""
+        itemsize = torch.empty(0, dtype=_DTYPES[meta["dtype"]]).element_size()
+        return meta["num_tokens"] * meta["num_kv_heads"] * (meta["head_dim"] + meta["v_head_dim"]) * itemsize
+
+    def _layer(self, meta: dict, layer: int, data: bytes | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's validated (keys, values) from its field's bytes."""
+        if data is None:
+            raise _Corrupt(f"layer {layer} missing")
+        if len(data) != self.layer_nbytes(meta) or zlib.crc32(data) != meta["layer_crc32"][layer]:
+            raise _Corrupt(f"layer {layer} has the wrong size or checksum")
+        n, h, dtype = meta["num_tokens"], meta["num_kv_heads"], _DTYPES[meta["dtype"]]
+        split = n * h * meta["head_dim"] * torch.empty(0, dtype=dtype).element_size()
+        view = memoryview(data)
+        return (_from_bytes(view[:split], dtype, (n, h, meta["head_dim"])),
+                _from_bytes(view[split:], dtype, (n, h, meta["v_head_dim"])))
+
+    def _drop(self, key: KVKey, raw_meta: bytes | None, reason: str, *, force: bool = False) -> None:
+        """Delete a bad entry (unless a put replaced it meanwhile) and log it."""
+        logger.warning("corrupt KV entry %s in Redis at %s (%s); deleting it", self.name_for(key), self.url,
+                       reason[:_LOGGED_CHARS])
+        with self._lock:
+            self._corrupt += 1
+        name = self.name_for(key)
+        try:
+            if force:
+                self._call(lambda: self._client.delete(name))
+            else:
+                self._call(lambda: self._delete_if(keys=[name], args=[raw_meta or b""]))
+        except _Failure as e:
+            logger.debug("could not delete corrupt entry %s: %s", name, e)
+
+
+class RedisReader:
+    """One Redis entry for one request: the header was checked at open; each layer is one HGET, crc-checked.
+
+    A missing or bad layer deletes the entry (unless a put replaced it) and raises LayerReadError, so the
+    request recomputes the chunk; Redis unavailable mid-request raises LayerReadError too.
+    """
+
+    tier = "redis"
+
+    def __init__(self, store: RedisStore, key: KVKey, meta: dict, raw_meta: bytes, token_ids: torch.Tensor) -> None:
+        self.store = store
+        self.key = key
+        self._meta = meta
+        self._raw_meta = raw_meta
+        self.token_ids = token_ids
+        self.num_layers = int(meta["num_layers"])
+        self.layer_nbytes = store.layer_nbytes(meta)
+        self.positions_start = int(meta["positions_start"])
+        self.bytes_read = 0
+        self._read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+        return int(self.token_ids.shape[0])
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fetch and validate one layer (one HGET)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers of {self.key}")
+        name = self.store.name_for(self.key)
+        try:
+            data = self.store._call(lambda: self.store._client.hget(name, _field(layer)))
+        except _Failure as e:
+            raise LayerReadError(self.key, layer, f"Redis: {e}") from e
+        loaded = self._check(layer, data)
+        with self._lock:
+            self._read[layer] = loaded
+            self.bytes_read += self.layer_nbytes
+        with self.store._lock:
+            self.store._bytes_read += self.layer_nbytes
+        return loaded
+
+    def complete(self) -> ChunkKV | None:
+        """The whole entry (to promote into a faster tier): the layers not read yet in one HMGET; None on failure."""
+        missing = [i for i in range(self.num_layers) if i not in self._read]
+        if missing:
+            name = self.store.name_for(self.key)
+            try:
+                datas = self.store._call(lambda: self.store._client.hmget(name, [_field(i) for i in missing]))
+                for i, data in zip(missing, datas):
+                    self._read[i] = self._check(i, data)
+            except (_Failure, LayerReadError):
+                return None
+        layers = [self._read[i] for i in range(self.num_layers)]
+        return ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids, self.positions_start)
+
+    def close(self) -> None:
+        """Nothing to release (connections are pooled per call)."""
+
+    def _check(self, layer: int, data: bytes | None) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return self.store._layer(self._meta, layer, data)
+        except _Corrupt as e:
+            if data is None:  # evicted or deleted since the open: gone, not corrupt
+                raise LayerReadError(self.key, layer, "entry gone from Redis") from e
+            self.store._drop(self.key, self._raw_meta, f"layer {layer}: {e}")
+            raise LayerReadError(self.key, layer, str(e)) from e
