@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ..fuse.policies import METHODS
 
 ENGINE_METHODS = tuple(METHODS)
-CHAIN_METHODS = ("stuff", "map_reduce", "map_rerank", "hf_pipeline")
+CHAIN_METHODS = ("stuff", "tutorial", "map_reduce", "map_rerank", "hf_pipeline")
 SWEEP_METHODS = ("full_prefill", "full_reuse", "cacheblend")
 DEFAULT_RATIOS = (0.05, 0.15, 0.30)
 SWEEP_RATIOS = (0.05, 0.10, 0.15, 0.20, 0.30, 0.50, 0.75, 1.0)
