@@ -509,6 +509,17 @@ class CacheBlendEngine:
                 f"the context window of {self.adapter.max_positions} tokens"
             )
 
+    def drop_kv(self, chunk_ids: Iterable[str]) -> int:
+        """Delete the stored KV of these chunks (and forget their text); returns how many entries were removed."""
+        if isinstance(chunk_ids, str):
+            chunk_ids = [chunk_ids]
+        removed = 0
+        with self._lock:
+            for cid in chunk_ids:
+                self._chunks.pop(cid, None)
+                removed += bool(self.kv_store.delete(KVKey(self.namespace, cid)))
+        return removed
+
 
 def _stop_filtered(pieces: Iterable[str], stop: tuple[str, ...]) -> Iterator[str]:
     """Pass text pieces through, holding back enough to cut at a stop string that spans pieces."""

@@ -33,3 +33,7 @@ class CacheFormatError(CacheBlendError):
 
 class MissingDependencyError(CacheBlendError, ImportError):
     """An optional dependency is not installed; the message names the extra."""
+
+
+class VectorStoreError(CacheBlendError):
+    """The vector store (Chroma) cannot be reached, refused the credentials, or lacks the collection."""
