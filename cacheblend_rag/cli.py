@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -181,8 +182,13 @@ def _add_ingest(subparsers) -> None:
 
 
 def _run_ingest(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from .retrieval.pipeline import IngestError, ingest_paths
 
+    for path in args.paths:  # before the model loads
+        if not os.path.lexists(Path(path).expanduser()):
+            raise ConfigError(f"{path}: no such file or folder")
     engine, store = _engine_and_store(args)
     failure: IngestError | None = None
     try:
