@@ -218,7 +218,7 @@ def test_cli_ingest_fails_when_the_kv_store_cannot_write(tmp_path, default_model
     (home / "kv").chmod(0o555)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run([*prefix, sys.executable, "-m", "cacheblend_rag.cli", "ingest", str(corpus), "--home",
-                          str(home), "--json", "--quiet"], capture_output=True, text=True, env=env, timeout=300,
+                          str(home), "--json", "--quiet"], capture_output=True, text=True, env=env, timeout=900,
                          cwd=REPO)
     (home / "kv").chmod(0o755)
     assert out.returncode == 1, out.stdout + out.stderr[-3000:]  # before: exit 0 with "new_kv": 1 and no file
