@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml integrations/langchain-cacheblend/pyproject.toml integr
 install: $(STAMP)
 
 demo: install
-	$(VENV)/bin/cacheblend-rag ingest examples/data --collection cacheblend_demo
-	$(VENV)/bin/cacheblend-rag ask "How many eyes does a honeybee have?" --collection cacheblend_demo --k 4
+	$(VENV)/bin/cacheblend-rag ingest examples/data
+	$(VENV)/bin/cacheblend-rag ask "How many eyes does a honeybee have?" --k 4
 
 test: install
 	$(PY) -m pytest

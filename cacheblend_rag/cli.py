@@ -1,8 +1,13 @@
 """`cacheblend-rag`: ingest files (Chroma + precomputed KV) and ask questions over them.
 
-    cacheblend-rag ingest PATH... [--home DIR] [--model NAME]
+    cacheblend-rag ingest PATH... [--home DIR] [--model NAME] [--memory-budget 512MiB] [--follow-symlinks]
     cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]
     cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
+    cacheblend-rag delete PATH...      # remove the chunks (and KV) of these files or folders
+    cacheblend-rag prune               # remove the chunks (and KV) of files that no longer exist
+
+Exit codes: 0 done; 1 failed (the `error:` line says why: a server that cannot be reached, KV that could not be
+stored, an empty collection, ...); 2 bad usage (an option out of range, an empty question, no such device).
 
 Subcommands are added by the functions in `REGISTRARS`; each takes the argparse subparsers object, adds its
 parser and sets `func` (called with the parsed args, returning an exit code). To add one (e.g. `bench`),
@@ -14,16 +19,94 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 
 from . import settings
-from .errors import CacheBlendError
+from .errors import CacheBlendError, ConfigError
 from .fuse.policies import METHODS
 from .models.loader import DEFAULT_MODEL
 
 CHAINS = ("map_reduce", "map_rerank")
 DEFAULT_COLLECTION = "cacheblend_chunks"  # same as retrieval.chroma.DEFAULT_COLLECTION, without importing chromadb
+DEFAULT_MEMORY_BUDGET = "512MiB"  # the KV store's memory tier in a CLI process (ingest writes through to disk)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_MAX_LISTED = 20  # skipped files listed one per line; the rest are counted
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+# ---- argument types: a bad value is a usage error (exit 2), never a traceback --------------
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '512MiB', '2GiB', '1.5G', '300MB' or '0' (K/M/G/T alone are binary, KB/MB/... decimal)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 512MiB, 2GiB or 0")
+    number, unit, binary, byte = m.groups()
+    if unit:
+        base = 1024 if (binary or not byte) else 1000
+        number = float(number) * base ** ("kmgt".index(unit.lower()) + 1)
+    return int(float(number))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction in [0, 1]") from None
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad usage: one `error:` line naming the command and where its options are listed, exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _chunk_tokens(text: str) -> int:
+    value = _positive_int(text)
+    if value < 16:
+        raise argparse.ArgumentTypeError(f"must be at least 16 tokens, got {value}")
+    return value
+
+
+def check_device(device: str) -> None:
+    """A ConfigError (exit 2) when `device` is not one this machine has: caught before the model loads."""
+    if device == "auto":
+        return
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"--device {device!r} is not a device; use auto, cpu or cuda[:N]") from None
+    if d.type == "cpu":
+        return
+    if d.type != "cuda":
+        raise ConfigError(f"--device {device!r} is not supported; use auto, cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA GPU is available to torch here "
+                          "(torch.cuda.is_available() is False); use --device cpu, or auto")
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here "
+                          f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -33,20 +116,50 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MODEL}); use the same one for ingest and ask")
     parser.add_argument("--collection", default=DEFAULT_COLLECTION, help="Chroma collection (3-512 characters)")
     parser.add_argument("--host", help="Chroma server host (default: the embedded database under --home)")
-    parser.add_argument("--port", type=int, help="Chroma server port")
+    parser.add_argument("--port", type=_positive_int, help="Chroma server port")
+    parser.add_argument("--chroma-token", metavar="TOKEN", help="token for a Chroma server that requires one "
+                        f"(sent as 'Authorization: Bearer TOKEN'); prefer ${settings.ENV_CHROMA_TOKEN}, which "
+                        "other users cannot read in the process list")
+    parser.add_argument("--chroma-ssl", action="store_true", default=None,
+                        help=f"talk https to the Chroma server (or set ${settings.ENV_CHROMA_SSL}=1)")
+    parser.add_argument("--chroma-ca-bundle", metavar="PEM", help="CA certificates that verify the server's "
+                        f"certificate, for a private CA (or ${settings.ENV_CHROMA_CA}); default: the system's")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--memory-budget", type=parse_size, default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
+                        help="bytes of KV the store keeps in memory (LRU, in front of the disk store), e.g. "
+                        f"256MiB, 2GiB, 0; default {DEFAULT_MEMORY_BUDGET}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages to stderr")
 
 
-def _engine_and_store(args: argparse.Namespace):
-    from .engine import CacheBlendEngine
+def _chunk_store(args: argparse.Namespace, *, create: bool = True):
     from .retrieval.chroma import ChromaChunkStore
 
-    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
-                                              dtype=args.dtype, home=args.home)
-    store = ChromaChunkStore(args.home, args.collection, host=args.host, port=args.port)
-    return engine, store
+    return ChromaChunkStore(args.home, args.collection, host=args.host, port=args.port, token=args.chroma_token,
+                            ssl=args.chroma_ssl, ca_bundle=args.chroma_ca_bundle, create=create)
+
+
+def _engine(args: argparse.Namespace):
+    from .engine import CacheBlendEngine
+    from .store import open_store
+
+    check_device(args.device)
+    kv_store = open_store(settings.kv_dir(args.home), memory_bytes=args.memory_budget)
+    return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
+                                            home=args.home)
+
+
+def _engine_and_store(args: argparse.Namespace, *, create: bool = True):
+    check_device(args.device)
+    store = _chunk_store(args, create=create)  # first: a server that cannot be reached fails before the model loads
+    return _engine(args), store
+
+
+def _print_skipped(skipped) -> None:
+    for s in skipped[:_MAX_LISTED]:
+        print(f"skipped {s.path}: {s.reason}", file=sys.stderr)
+    if len(skipped) > _MAX_LISTED:
+        print(f"skipped {len(skipped) - _MAX_LISTED} more files (see --json for the full list)", file=sys.stderr)
 
 
 # ---- ingest -------------------------------------------------------------------------------
@@ -54,28 +167,100 @@ def _engine_and_store(args: argparse.Namespace):
 
 def _add_ingest(subparsers) -> None:
     p = subparsers.add_parser("ingest", help="embed files into Chroma and precompute their chunks' KV",
-                              description="Load .txt/.md/.json/.jsonl files or folders, split them into chunks of "
-                              "~512 model tokens, upsert them into Chroma and precompute their KV. Idempotent.")
+                              description="Load .txt/.md/.json/.jsonl/.html/.pdf files or folders, split them into "
+                              "chunks of ~512 model tokens, upsert them into Chroma and precompute their KV. "
+                              "Idempotent; a re-ingested file's chunks that it no longer has are deleted with "
+                              "their KV, and so are those of files gone from a re-ingested folder. Files that "
+                              "cannot be read (not UTF-8, empty, not a regular file, ...) are skipped and listed.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
     _common(p)
-    p.add_argument("--chunk-tokens", type=int, default=512, help="chunk size in model tokens (default 512)")
+    p.add_argument("--chunk-tokens", type=_chunk_tokens, default=512, help="chunk size in model tokens (default 512)")
+    p.add_argument("--follow-symlinks", action="store_true",
+                   help="read symbolic links inside a folder that point outside it (refused by default)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_run_ingest)
 
 
 def _run_ingest(args: argparse.Namespace) -> int:
-    from .retrieval.pipeline import ingest_paths
+    from pathlib import Path
 
+    from .retrieval.pipeline import IngestError, ingest_paths
+
+    for path in args.paths:  # before the model loads
+        if not os.path.lexists(Path(path).expanduser()):
+            raise ConfigError(f"{path}: no such file or folder")
     engine, store = _engine_and_store(args)
-    report = ingest_paths(args.paths, engine, store, chunk_tokens=args.chunk_tokens, show_progress=not args.quiet)
+    failure: IngestError | None = None
+    try:
+        report = ingest_paths(args.paths, engine, store, chunk_tokens=args.chunk_tokens,
+                              show_progress=not (args.quiet or args.json), follow_symlinks=args.follow_symlinks)
+    except IngestError as e:
+        failure, report = e, e.report
+    _print_skipped(report.skipped)
+    if failure is None and report.files == 0:
+        failure = IngestError(f"no file could be ingested ({len(report.skipped)} skipped, listed above)", report)
     if args.json:
         print(json.dumps({**report.as_dict(), "collection": args.collection, "home": str(settings.home_dir(args.home)),
-                          "stored_chunks": store.count()}))
+                          "stored_chunks": store.count(), **({"error": str(failure)} if failure else {})}))
     else:
         status = "nothing new" if report.new_chunks == 0 else f"{report.new_chunks} new chunks"
         print(f"ingested: {report.summary()} — {status}; collection {args.collection!r} now holds "
               f"{store.count()} chunks ({store.location})")
+    if failure is not None:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---- delete / prune -----------------------------------------------------------------------
+
+
+def _add_delete(subparsers) -> None:
+    p = subparsers.add_parser("delete", help="remove the chunks (and KV) of files or folders from the corpus",
+                              description="Delete the Chroma records that came from these files (or from any file "
+                              "under these folders) and their stored KV. The files themselves are not touched.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders, as they were ingested")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_delete)
+
+
+def _add_prune(subparsers) -> None:
+    p = subparsers.add_parser("prune", help="remove the chunks (and KV) of files that no longer exist",
+                              description="Delete the Chroma records whose source file is gone, and their KV.")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_prune)
+
+
+def _report_deleted(args: argparse.Namespace, report, store, what: str) -> None:
+    if args.json:
+        print(json.dumps({**report.as_dict(), "collection": args.collection, "stored_chunks": store.count()}))
+        return
+    for source in report.sources:
+        print(f"{what} {source}")
+    print(f"{report.removed_chunks} chunks removed, {report.dropped_kv} KV entries dropped; collection "
+          f"{args.collection!r} now holds {store.count()} chunks")
+
+
+def _run_delete(args: argparse.Namespace) -> int:
+    from .retrieval.pipeline import delete_sources
+
+    engine, store = _engine_and_store(args, create=False)
+    report = delete_sources(args.paths, engine, store)
+    _report_deleted(args, report, store, "deleted")
+    if not report.sources:
+        print(f"error: no chunk in collection {args.collection!r} came from {', '.join(args.paths)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_prune(args: argparse.Namespace) -> int:
+    from .retrieval.pipeline import prune_sources
+
+    engine, store = _engine_and_store(args, create=False)
+    _report_deleted(args, prune_sources(engine, store), store, "pruned")
     return 0
 
 
@@ -86,13 +271,14 @@ def _add_ask(subparsers) -> None:
     p = subparsers.add_parser("ask", help="answer a question from the ingested chunks",
                               description="Retrieve the top-k chunks and answer through CacheBlend (or the chosen "
                               "prefill method, or a map-reduce / map-rerank chain).")
-    p.add_argument("question")
+    p.add_argument("question", help="the question (must not be empty)")
     _common(p)
-    p.add_argument("--k", type=int, default=6, help="chunks to retrieve (default 6)")
+    p.add_argument("--k", type=_positive_int, default=6, help="chunks to retrieve (default 6)")
     p.add_argument("--method", default="cacheblend", choices=METHODS + CHAINS,
                    help="prefill method (stuff chain) or chain; default cacheblend")
-    p.add_argument("--ratio", type=float, default=0.15, help="CacheBlend recompute ratio (default 0.15)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    p.add_argument("--ratio", type=_ratio, default=0.15,
+                   help="CacheBlend recompute ratio in [0, 1] (default 0.15)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help='stop the answer at TEXT (repeatable; default: a blank line; --stop "" for none)')
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, chunks, stats")
@@ -131,11 +317,16 @@ def _run_ask(args: argparse.Namespace) -> int:
         create_stuff_chain,
     )
 
-    engine, store = _engine_and_store(args)
+    if not args.question.strip():
+        raise ConfigError('the question is empty; ask something, e.g. cacheblend-rag ask "How many eyes does a '
+                          'honeybee have?"')
+    check_device(args.device)
+    store = _chunk_store(args, create=False)
     if store.count() == 0:
-        print(f"error: collection {args.collection!r} at {store.location} is empty; run `cacheblend-rag ingest PATH` "
-              "with the same --home/--collection first", file=sys.stderr)
+        print(f"error: collection {args.collection!r} at {store.location} is empty: nothing to answer from; run "
+              "`cacheblend-rag ingest PATH` with the same --home/--collection first", file=sys.stderr)
         return 1
+    engine = _engine(args)
     method = args.method if args.method in METHODS else "cacheblend"
     stop = [s for s in (args.stop if args.stop is not None else ["\n\n"]) if s]  # one paragraph by default
     llm = CacheBlendLLM(engine=engine, model=args.model, method=method, recompute_ratio=args.ratio,
@@ -174,8 +365,8 @@ def _add_profile(subparsers) -> None:
                               "as the loading controller (recompute_ratio='auto') uses them.")
     p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cache")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -188,6 +379,7 @@ def _profile(args: argparse.Namespace) -> int:
     from .engine import CacheBlendEngine
     from .loading.profile import load_or_measure, profile_path
 
+    check_device(args.device)
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
                                               dtype=args.dtype, home=args.home)
     compute, tiers = load_or_measure(engine, settings.kv_dir(args.home), remeasure=args.remeasure, home=args.home,
@@ -207,7 +399,8 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ingest, _add_ask, _add_profile]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ingest, _add_ask, _add_profile, _add_delete,
+                                                                  _add_prune]
 """Subcommand registrars, in help order; append one to add a subcommand (e.g. bench)."""
 
 
@@ -248,8 +441,8 @@ REGISTRARS.append(_add_serve)
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="cacheblend-rag", description=__doc__.split("\n")[0])
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _Parser(prog="cacheblend-rag", description=__doc__.split("\n")[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for register in REGISTRARS:
         register(subparsers)
     return parser
@@ -262,9 +455,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return args.func(args)
-    except CacheBlendError as e:
+    except ConfigError as e:  # bad usage: an argument the parser could not check alone
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (CacheBlendError, OSError) as e:  # the package's own errors, a disk or a network that failed
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

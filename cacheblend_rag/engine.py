@@ -214,10 +214,16 @@ class CacheBlendEngine:
         """Whether the chunk's KV is stored (and its entry checks out)."""
         return self.cache.has_kv(chunk_id)
 
+    def kv_nbytes(self, chunk_id: str) -> int | None:
+        """Bytes the chunk's KV takes in the store (as stored, e.g. its file), or None if it is not stored."""
+        return self.kv_store.entry_nbytes(self.cache.key(chunk_id))
+
     def drop_kv(self, chunk_ids: str | Iterable[str]) -> int:
-        """Delete the stored KV of these chunks (e.g. their source changed); how many were stored."""
+        """Forget these chunks (e.g. their source changed): their stored KV, their text and their place in the
+        chunk index; how many had KV stored."""
         chunk_ids = [chunk_ids] if isinstance(chunk_ids, str) else list(chunk_ids)
         with self._lock:
+            self.chunks.remove(chunk_ids)
             self.index.remove(chunk_ids)
             return self.cache.drop(chunk_ids)
 

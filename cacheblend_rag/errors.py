@@ -41,3 +41,7 @@ class KVWriteError(CacheBlendError, OSError):
 
 class ProfileError(CacheBlendError):
     """The compute or storage profile of the loading controller could not be measured or cached."""
+
+
+class VectorStoreError(CacheBlendError):
+    """The vector store (Chroma) cannot be reached, refused the credentials, or lacks the collection."""

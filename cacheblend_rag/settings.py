@@ -50,3 +50,31 @@ def api_key(override: str | None = None) -> str | None:
     if override is not None:
         return override
     return os.environ.get(ENV_API_KEY) or None
+
+
+ENV_CHROMA_TOKEN = "CACHEBLEND_RAG_CHROMA_TOKEN"
+ENV_CHROMA_SSL = "CACHEBLEND_RAG_CHROMA_SSL"
+ENV_CHROMA_CA = "CACHEBLEND_RAG_CHROMA_CA_BUNDLE"
+
+
+def chroma_token(override: str | None = None) -> str | None:
+    """Token sent to a Chroma server (`Authorization: Bearer ...`): the override, else $CACHEBLEND_RAG_CHROMA_TOKEN."""
+    if override is not None:
+        return override or None
+    return os.environ.get(ENV_CHROMA_TOKEN) or None
+
+
+def chroma_ssl(override: bool | None = None) -> bool:
+    """Whether to talk https to a Chroma server: the override, else $CACHEBLEND_RAG_CHROMA_SSL (1/true/yes)."""
+    if override is not None:
+        return override
+    return os.environ.get(ENV_CHROMA_SSL, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def chroma_ca_bundle(override: str | os.PathLike[str] | None = None) -> str | None:
+    """CA bundle that verifies a Chroma server's certificate (a private CA): the override, else
+    $CACHEBLEND_RAG_CHROMA_CA_BUNDLE; None uses the system's trust store."""
+    if override is not None:
+        return os.fspath(Path(override).expanduser())
+    env = os.environ.get(ENV_CHROMA_CA)
+    return os.fspath(Path(env).expanduser()) if env else None

@@ -96,3 +96,160 @@ def test_ask_on_an_empty_home_says_what_to_do(tmp_path, default_model):
     (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
     out = _cli("ask", "anything", "--home", str(home))
     assert out.returncode == 1 and "cacheblend-rag ingest" in out.stderr
+
+
+# ---- bad usage and failures: one `error:` line, the right exit code, never a traceback --------
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    return errors[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["ask", "q", "--ratio", "2"], "--ratio"),
+    (["ask", "q", "--ratio", "nan"], "--ratio"),
+    (["ask", "q", "--ratio", "-1"], "--ratio"),
+    (["ask", "q", "--k", "0"], "--k"),
+    (["ask", "q", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["ask", "q", "--dtype", "float8"], "--dtype"),
+    (["ask", "  "], "question is empty"),
+    (["ask", "q", "--device", "cuda:99"], "cuda"),
+    (["ask", "q", "--device", "tpu"], "not a device"),
+    (["ingest", "x", "--memory-budget", "lots"], "--memory-budget"),
+    (["ingest", "definitely/missing/folder"], "no such file"),
+    (["ask", "q", "--chroma-token", "t"], "--host"),  # a token without a server
+])
+def test_bad_usage_exits_2_with_one_error_line(tmp_path, argv, words):
+    out = _cli(*argv, "--home", str(tmp_path))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert words in _one_error_line(out)
+    assert not (tmp_path / "kv").exists()  # rejected before anything was loaded or created
+
+
+def test_unreachable_chroma_server_is_named(tmp_path):
+    port = _free_port()
+    out = _cli("ask", "q", "--home", str(tmp_path), "--host", "127.0.0.1", "--port", str(port))
+    assert out.returncode == 1
+    assert f"cannot reach Chroma at http://127.0.0.1:{port}" in _one_error_line(out)
+
+
+def test_unknown_and_empty_collections_are_named(tmp_path):
+    from cacheblend_rag.retrieval.chroma import ChromaChunkStore
+
+    ChromaChunkStore(tmp_path, "empty_one")
+    unknown = _cli("ask", "q", "--home", str(tmp_path), "--collection", "not_there")
+    assert unknown.returncode == 1
+    line = _one_error_line(unknown)
+    assert "no collection 'not_there'" in line and "'empty_one'" in line and "cacheblend-rag ingest" in line
+    empty = _cli("ask", "q", "--home", str(tmp_path), "--collection", "empty_one")
+    assert empty.returncode == 1 and "is empty" in _one_error_line(empty)
+
+
+def test_sizes_parse():
+    from cacheblend_rag.cli import DEFAULT_MEMORY_BUDGET, parse_size
+
+    assert [parse_size(s) for s in ("512MiB", "2G", "300MB", "0", "1.5GiB", "4096")] == \
+        [512 * 2**20, 2 * 2**30, 300 * 10**6, 0, 3 * 2**29, 4096]
+    assert build_parser().parse_args(["ingest", "x"]).memory_budget == parse_size(DEFAULT_MEMORY_BUDGET)
+
+
+def _home(tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
+    return home
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_cli_ingest_lists_skipped_files(tmp_path, default_model):
+    home, corpus, bad = _home(tmp_path), tmp_path / "corpus", tmp_path / "bad"
+    corpus.mkdir()
+    bad.mkdir()
+    (corpus / "07_senses.txt").write_text((DATA / "07_senses.txt").read_text())
+    (corpus / "latin1.txt").write_bytes(b"caf\xe9")
+    (corpus / "empty.md").write_text("")
+    (corpus / "leak.txt").symlink_to(DATA / "04_honey.txt")
+    os.mkfifo(corpus / "pipe.txt")
+    (bad / "latin1.txt").write_bytes(b"caf\xe9")
+
+    first = _cli("ingest", str(corpus), "--home", str(home), "--json", "--memory-budget", "1MiB")
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads(first.stdout)
+    assert (report["files"], report["chunks"], report["new_kv"], report["kv_failed"]) == (1, 1, 1, 0)
+    assert {Path(s["path"]).name for s in report["skipped"]} == {"latin1.txt", "empty.md", "leak.txt", "pipe.txt"}
+    assert f"skipped {corpus / 'latin1.txt'}: not valid UTF-8" in first.stderr
+
+    followed = _cli("ingest", str(corpus), "--home", str(home), "--follow-symlinks")
+    assert followed.returncode == 0, followed.stderr[-3000:]
+    assert "1 new chunks" in followed.stdout and "holds 2 chunks" in followed.stdout  # the link's target
+
+    nothing = _cli("ingest", str(bad), "--home", str(home))
+    assert nothing.returncode == 1
+    assert "no file could be ingested" in _one_error_line(nothing) and "latin1.txt" in nothing.stderr
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_cli_ingest_fails_when_the_kv_store_cannot_write(tmp_path, default_model):
+    import shutil
+
+    prefix: list[str] = []
+    if os.geteuid() == 0:  # root writes anywhere: drop the capabilities that let it ignore permissions
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: cannot make a folder read-only")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    home, corpus = _home(tmp_path), tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "07_senses.txt").write_text((DATA / "07_senses.txt").read_text())
+    (home / "kv").mkdir()
+    (home / "kv").chmod(0o555)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([*prefix, sys.executable, "-m", "cacheblend_rag.cli", "ingest", str(corpus), "--home",
+                          str(home), "--json", "--quiet"], capture_output=True, text=True, env=env, timeout=900,
+                         cwd=REPO)
+    (home / "kv").chmod(0o755)
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]  # before: exit 0 with "new_kv": 1 and no file
+    assert "could not be stored" in _one_error_line(out) and str(home / "kv") in out.stderr
+    report = json.loads(out.stdout)
+    assert (report["new_kv"], report["kv_bytes"], report["kv_failed"]) == (0, 0, 1) and "error" in report
+    assert not any(p.suffix == ".safetensors" for p in (home / "kv").rglob("*"))
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_cli_delete_prune_and_an_emptied_collection(tmp_path, default_model):
+    home, corpus = _home(tmp_path), tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("04_honey.txt", "07_senses.txt"):
+        (corpus / name).write_text((DATA / name).read_text())
+    assert _cli("ingest", str(corpus), "--home", str(home), "--quiet").returncode == 0
+
+    (corpus / "04_honey.txt").unlink()
+    pruned = _cli("prune", "--home", str(home), "--json")
+    assert pruned.returncode == 0, pruned.stderr[-3000:]
+    assert json.loads(pruned.stdout) | {"collection": None} == {
+        "sources": [str(corpus / "04_honey.txt")], "removed_chunks": 1, "dropped_kv": 1, "collection": None,
+        "stored_chunks": 1}
+
+    deleted = _cli("delete", str(corpus / "07_senses.txt"), "--home", str(home))
+    assert deleted.returncode == 0 and "1 chunks removed, 1 KV entries dropped" in deleted.stdout
+    assert not any(p.suffix == ".safetensors" and p.stem == chunk_id((DATA / "07_senses.txt").read_text())
+                   for p in (home / "kv").rglob("*"))
+    again = _cli("delete", str(corpus / "07_senses.txt"), "--home", str(home))
+    assert again.returncode == 1 and "no chunk" in _one_error_line(again)
+
+    ask = _cli("ask", "How many eyes does a honeybee have?", "--home", str(home))
+    assert ask.returncode == 1 and "is empty" in _one_error_line(ask)  # not an answer from no context

@@ -125,7 +125,8 @@ def test_public_surface_for_integrations(tokenizer, tmp_path):
     ids = engine.ingest(TEXTS, show_progress=False)
     assert all(engine.knows(i) and engine.has_kv(i) for i in ids)
     assert engine.context_window == engine.adapter.max_positions
-    assert engine.drop_kv(ids[:1]) == 1 and not engine.has_kv(ids[0]) and engine.knows(ids[0])
+    assert engine.drop_kv(ids[:1]) == 1 and not engine.has_kv(ids[0]) and not engine.knows(ids[0])
+    assert engine.kv_nbytes(ids[1]) == engine.kv_store.disk.path_for(engine.cache.key(ids[1])).stat().st_size
     fresh = CacheBlendEngine(engine.model, tokenizer, kv_store=tmp_path)  # a new process, the same store
     assert fresh.knows(ids[1]) and not fresh.knows(ids[0])
     pre = fresh.prefill(ids[1:], QUESTION, method="full_reuse")

@@ -29,6 +29,12 @@ class ChunkRegistry:
                 self._chunks.popitem(last=False)
         return chunk
 
+    def remove(self, chunk_ids: list[str]) -> None:
+        """Forget these chunks."""
+        with self._lock:
+            for cid in chunk_ids:
+                self._chunks.pop(cid, None)
+
     def get(self, chunk_id: str) -> Chunk | None:
         """The chunk if remembered, else None."""
         with self._lock:

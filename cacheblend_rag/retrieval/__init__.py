@@ -5,8 +5,8 @@ Data flow: files → `load_paths` → `split_texts` (chunks of ~512 model tokens
 Heavy imports (chromadb, sentence-transformers, langchain-text-splitters) happen inside the functions that need them.
 """
 
-from .loaders import ChunkRecord, SourceText, load_paths, split_texts
-from .pipeline import IngestReport, ingest_paths
+from .loaders import ChunkRecord, LoadResult, SkippedFile, SourceText, load_paths, load_paths_report, split_texts
+from .pipeline import DeleteReport, IngestError, IngestReport, delete_sources, ingest_paths, prune_sources
 from .prompt import (
     ANSWER_HEADER,
     CHUNK_SEPARATOR,
@@ -18,8 +18,10 @@ from .prompt import (
 )
 
 __all__ = [
-    "ANSWER_HEADER", "CHUNK_SEPARATOR", "PASSAGE_HEADER", "QUESTION_HEADER", "ChunkRecord", "IngestReport",
-    "ParsedPrompt", "SourceText", "ingest_paths", "load_paths", "parse_prompt", "render_prompt", "split_texts",
+    "ANSWER_HEADER", "CHUNK_SEPARATOR", "PASSAGE_HEADER", "QUESTION_HEADER", "ChunkRecord", "DeleteReport",
+    "IngestError", "IngestReport", "LoadResult", "ParsedPrompt", "SkippedFile", "SourceText", "delete_sources",
+    "ingest_paths", "load_paths", "load_paths_report", "parse_prompt", "prune_sources", "render_prompt",
+    "split_texts",
 ]
 
 

@@ -1,25 +1,39 @@
-"""Read .txt / .md / .json / .jsonl files and split them into model-token-sized chunks with content-hash ids.
+"""Read .txt / .md / .json / .jsonl / .html / .pdf files and split them into model-token-sized chunks with content-hash ids.
 
 JSON shapes understood:
 - MuSiQue-style: a list of `{"ctxs": [{"title", "text"}], "question", "answers"}` — each ctx is one chunk
   `"title\\ntext"`, never re-split (the benchmark's passages stay byte-identical);
 - a list of strings, or of objects with `text` (or `content`) and optional `title`;
 - an object with a `documents` / `data` list of the above. JSON Lines: one string or object per line.
+
+HTML is read with BeautifulSoup (visible text, `<title>` as title), PDF with pypdf (the text layer of each page);
+both are optional (`pip install 'cacheblend-rag[documents]'`).
+
+A file that cannot be used — not valid UTF-8, invalid JSON, empty, unreadable, of an unsupported type, not a
+regular file (a FIFO, a socket, a device), or a symbolic link out of the folder being ingested — is never fatal
+to a folder: it is listed in `LoadResult.skipped` with the reason, and the other files are read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterable, Sequence
+import stat
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, MissingDependencyError
 from ..ingest.chunks import chunk_id, normalize_text
 
-SUFFIXES = (".txt", ".md", ".json", ".jsonl")
+logger = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = (".txt", ".md", ".json", ".jsonl")
+DOCUMENT_SUFFIXES = (".html", ".htm", ".pdf")
+SUFFIXES = TEXT_SUFFIXES + DOCUMENT_SUFFIXES
 DEFAULT_CHUNK_TOKENS = 512
+MAX_FILE_BYTES = 256 * 2**20  # a bigger file is skipped (reading it whole would cost that much memory)
 
 
 @dataclass(frozen=True)
@@ -41,20 +55,154 @@ class ChunkRecord:
     metadata: dict = field(default_factory=dict)  # str/int values only (Chroma's metadata rule)
 
 
-def iter_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """The readable files under `paths` (folders are walked, sorted); unknown suffixes are skipped."""
+@dataclass(frozen=True)
+class SkippedFile:
+    """A file that was not ingested, and why."""
+
+    path: str
+    reason: str
+    empty: bool = False  # readable, but no text (its previously ingested chunks are stale)
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+class FileSkipped(Exception):
+    """Raised by a reader for a file that is skipped (not fatal to an ingestion); the message is the reason.
+
+    `empty` marks a readable file with no text: unlike an unreadable one, it says what the file holds now.
+    """
+
+    def __init__(self, reason: str, *, empty: bool = False) -> None:
+        super().__init__(reason)
+        self.empty = empty
+
+
+@dataclass
+class LoadResult:
+    """What loading found: files read (each with at least one text), their texts, and files skipped."""
+
+    files: list[Path] = field(default_factory=list)
+    texts: list[SourceText] = field(default_factory=list)
+    skipped: list[SkippedFile] = field(default_factory=list)
+
+
+def source_key(path: str | os.PathLike[str]) -> str:
+    """The `source` stored with a file's chunks: its absolute path (not resolved, so a link keeps its name)."""
+    return os.path.abspath(os.fspath(Path(path).expanduser()))
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+def _walk(root: Path, follow_symlinks: bool, skipped: list[SkippedFile]) -> Iterator[Path]:
+    """Candidate files under a folder, sorted; hidden entries are left out; links out of `root` are refused."""
+    real_root = root.resolve()
+    seen_dirs: set[Path] = set()
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        real = folder.resolve()
+        if real in seen_dirs:  # a link cycle
+            continue
+        seen_dirs.add(real)
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as e:
+            skipped.append(SkippedFile(str(folder), f"cannot list folder ({e.strerror or e})"))
+            continue
+        subfolders = []
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            if entry.is_symlink():
+                target = path.resolve()
+                if not follow_symlinks and not _is_within(target, real_root):
+                    skipped.append(SkippedFile(str(path), f"symbolic link to {target}, outside {root}; "
+                                                          "pass --follow-symlinks (follow_symlinks=True) to read it"))
+                    continue
+                if not target.exists():
+                    skipped.append(SkippedFile(str(path), f"broken symbolic link to {target}"))
+                    continue
+            try:
+                is_dir = entry.is_dir(follow_symlinks=True)
+            except OSError:
+                is_dir = False
+            if is_dir:
+                subfolders.append(path)
+            else:
+                yield path
+        stack.extend(reversed(subfolders))
+
+
+def iter_files(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    follow_symlinks: bool = False,
+    skipped: list[SkippedFile] | None = None,
+) -> list[Path]:
+    """The candidate files under `paths` (folders walked in name order), duplicates removed.
+
+    A named path that does not exist, or a named file of an unsupported type, is a `ConfigError`; inside a
+    folder, unsupported types, links pointing out of the folder (unless `follow_symlinks`) and hidden entries
+    are left out — all but hidden ones are appended to `skipped`.
+    """
+    skipped = [] if skipped is None else skipped
     files: list[Path] = []
     for p in paths:
         path = Path(p).expanduser()
         if path.is_dir():
-            files += sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES)
-        elif path.is_file():
+            for f in _walk(path, follow_symlinks, skipped):
+                if f.suffix.lower() in SUFFIXES:
+                    files.append(f)
+                else:
+                    skipped.append(SkippedFile(str(f), f"unsupported file type; use one of {', '.join(SUFFIXES)}"))
+        elif path.exists():
             if path.suffix.lower() not in SUFFIXES:
                 raise ConfigError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
             files.append(path)
+        elif path.is_symlink():
+            raise ConfigError(f"{path}: broken symbolic link to {path.resolve()}")
         else:
             raise ConfigError(f"{path}: no such file or folder")
     return list(dict.fromkeys(files))
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, opened without blocking and only if it is a regular file of a sane size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise FileSkipped(f"cannot open ({e.strerror or e})") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileSkipped("not a regular file (a FIFO, socket or device)")
+        if st.st_size > MAX_FILE_BYTES:
+            raise FileSkipped(f"too large ({st.st_size / 2**20:.0f} MiB > {MAX_FILE_BYTES // 2**20} MiB)")
+        with os.fdopen(fd, "rb", closefd=True) as f:
+            fd = -1
+            return f.read()
+    except OSError as e:
+        raise FileSkipped(f"cannot read ({e.strerror or e})") from e
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _decode(raw: bytes) -> str:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FileSkipped(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                          "convert it, e.g. iconv -f latin1 -t utf-8") from e
+    return text.removeprefix("\ufeff")
 
 
 def _from_json_item(item, source: str) -> list[SourceText]:
@@ -74,32 +222,121 @@ def _from_json_item(item, source: str) -> list[SourceText]:
     return []
 
 
-def load_file(path: str | os.PathLike[str]) -> list[SourceText]:
-    """The texts in one file."""
+def _html_texts(raw: bytes, source: str, path: Path) -> list[SourceText]:
+    try:
+        from bs4 import BeautifulSoup
+    except ImportError as e:
+        raise MissingDependencyError("HTML files need beautifulsoup4: pip install 'cacheblend-rag[documents]'") from e
+    soup = BeautifulSoup(raw, "html.parser")  # the stdlib parser: no lxml needed; bs4 detects the encoding
+    for tag in soup(["script", "style", "noscript", "template"]):
+        tag.decompose()
+    title = soup.title.get_text(" ", strip=True) if soup.title else path.stem
+    if soup.title:
+        soup.title.decompose()
+    body = "\n".join(line.strip() for line in soup.get_text("\n").splitlines() if line.strip())
+    return [SourceText(f"{title}\n{body}" if body else "", source, title)]
+
+
+def _pdf_texts(path: Path, raw: bytes, source: str) -> list[SourceText]:
+    try:
+        from pypdf import PdfReader
+        from pypdf.errors import PdfReadError
+    except ImportError as e:
+        raise MissingDependencyError("PDF files need pypdf: pip install 'cacheblend-rag[documents]'") from e
+    import io
+
+    try:
+        reader = PdfReader(io.BytesIO(raw))
+        if reader.is_encrypted:
+            raise FileSkipped("encrypted PDF")
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except FileSkipped:
+        raise
+    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as e:
+        raise FileSkipped(f"unreadable PDF ({type(e).__name__}: {e})") from e
+    body = "\n\n".join(p.strip() for p in pages if p.strip())
+    if not body:
+        raise FileSkipped("no text layer (a scanned PDF needs OCR first)")
+    return [SourceText(body, source, path.stem)]
+
+
+def read_file(path: str | os.PathLike[str]) -> list[SourceText]:
+    """The non-empty texts in one file; raises `FileSkipped` (with the reason) when the file cannot be used."""
     path = Path(path)
     suffix = path.suffix.lower()
-    raw = path.read_text(encoding="utf-8")
-    source = str(path)
-    if suffix in (".txt", ".md"):
-        return [SourceText(raw, source, path.stem)]
-    try:
-        if suffix == ".jsonl":
-            items = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    if suffix not in SUFFIXES:
+        raise FileSkipped(f"unsupported file type; use one of {', '.join(SUFFIXES)}")
+    raw = _read_bytes(path)
+    source = source_key(path)
+    if suffix in (".html", ".htm"):
+        out = _html_texts(raw, source, path)
+    elif suffix == ".pdf":
+        out = _pdf_texts(path, raw, source)
+    else:
+        text = _decode(raw)
+        if suffix in (".txt", ".md"):
+            out = [SourceText(text, source, path.stem)]
         else:
-            data = json.loads(raw)
-            if isinstance(data, dict):
-                data = data.get("documents", data.get("data", [data]))
-            items = data if isinstance(data, list) else [data]
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON ({e})") from e
-    out = [t for item in items for t in _from_json_item(item, source)]
-    return [t for t in out if normalize_text(t.text)]
+            try:
+                if suffix == ".jsonl":
+                    items = [json.loads(line) for line in text.splitlines() if line.strip()]
+                else:
+                    data = json.loads(text) if text.strip() else []
+                    if isinstance(data, dict):
+                        data = data.get("documents", data.get("data", [data]))
+                    items = data if isinstance(data, list) else [data]
+            except json.JSONDecodeError as e:
+                raise FileSkipped(f"invalid JSON ({e})") from e
+            out = [t for item in items for t in _from_json_item(item, source)]
+    out = [t for t in out if normalize_text(t.text)]
+    if not out:
+        raise FileSkipped("empty: no text to ingest", empty=True)
+    return out
 
 
-def load_paths(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[Path], list[SourceText]]:
-    """(files read, texts) for files and folders."""
-    files = iter_files(paths)
-    return files, [t for f in files for t in load_file(f)]
+def load_file(path: str | os.PathLike[str]) -> list[SourceText]:
+    """The texts in one file; a file that cannot be used is a `ConfigError` naming it and the reason."""
+    try:
+        return read_file(path)
+    except FileSkipped as e:
+        raise ConfigError(f"{path}: {e}") from e
+
+
+def iter_loaded(
+    files: Iterable[Path], skipped: list[SkippedFile]
+) -> Iterator[tuple[Path, list[SourceText] | None]]:
+    """(file, texts) per file, lazily; a skipped file yields None as texts and is appended to `skipped`."""
+    for f in files:
+        try:
+            yield f, read_file(f)
+        except FileSkipped as e:
+            logger.debug("skipping %s: %s", f, e)
+            skipped.append(SkippedFile(str(f), str(e), e.empty))
+            yield f, None
+
+
+def load_paths_report(
+    paths: Iterable[str | os.PathLike[str]], *, follow_symlinks: bool = False
+) -> LoadResult:
+    """Files read, their texts, and the files skipped (each with its reason)."""
+    result = LoadResult()
+    files = iter_files(paths, follow_symlinks=follow_symlinks, skipped=result.skipped)
+    for f, texts in iter_loaded(files, result.skipped):
+        if texts is not None:
+            result.files.append(f)
+            result.texts += texts
+    return result
+
+
+def load_paths(
+    paths: Iterable[str | os.PathLike[str]], *, follow_symlinks: bool = False
+) -> tuple[list[Path], list[SourceText]]:
+    """(files read, texts) for files and folders; files that cannot be used are logged and left out
+    (`load_paths_report` lists them)."""
+    result = load_paths_report(paths, follow_symlinks=follow_symlinks)
+    for s in result.skipped:
+        logger.warning("skipped %s", s)
+    return result.files, result.texts
 
 
 def split_texts(

@@ -194,5 +194,8 @@ class KVStore(Protocol):
     def tiers(self) -> dict[str, Path | None]:
         """The tiers behind this store, fastest first, with their folder where they have one."""
 
+    def entry_nbytes(self, key: KVKey) -> int | None:
+        """Bytes the entry takes in its most durable tier (as stored: a file's size), or None if not stored."""
+
     def stats(self) -> dict:
         """Counters: hits, misses, puts, evictions, bytes and entries (per tier for composites)."""

@@ -194,6 +194,13 @@ class DiskStore:
         """One tier, on the file system under root."""
         return {"disk": self.root}
 
+    def entry_nbytes(self, key: KVKey) -> int | None:
+        """The entry's file size, or None."""
+        try:
+            return os.lstat(self.path_for(key)).st_size
+        except OSError:
+            return None
+
     def read_meta(self, key: KVKey) -> dict | None:
         """The entry's header (str -> str) after checking it names this key, or None."""
         path = self.path_for(key)

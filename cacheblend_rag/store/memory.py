@@ -57,6 +57,12 @@ class MemoryStore:
         """One tier, in process memory."""
         return {"memory": None}
 
+    def entry_nbytes(self, key: KVKey) -> int | None:
+        """Bytes of the held tensors, or None."""
+        with self._lock:
+            kv = self._entries.get(key)
+        return kv.nbytes if kv is not None else None
+
     def put(self, key: KVKey, kv: ChunkKV) -> None:
         """Store or replace an entry, evicting least-recently-used ones to stay in budget."""
         size = kv.nbytes

@@ -258,6 +258,14 @@ class RedisStore:
         """One tier, in Redis."""
         return {"redis": None}
 
+    def entry_nbytes(self, key: KVKey) -> int | None:
+        """Redis's own count of the entry's memory (MEMORY USAGE), or None (missing, or Redis unavailable)."""
+        try:
+            size = self._call(lambda: self._client.memory_usage(self.name_for(key)))
+        except _Failure:
+            return None
+        return int(size) if size else None
+
     def stats(self) -> dict:
         """Counters of this process's use of the tier (Redis's own occupancy: INFO memory)."""
         with self._lock:

@@ -160,6 +160,14 @@ class TieredStore:
             merged.update(store.tiers())
         return merged
 
+    def entry_nbytes(self, key: KVKey) -> int | None:
+        """As stored by the slowest (most durable) tier that has it."""
+        for store in reversed(self.stores):
+            size = store.entry_nbytes(key)
+            if size is not None:
+                return size
+        return None
+
     def stats(self) -> dict:
         """Overall hits/misses plus each tier's stats under its name."""
         with self._lock:
