@@ -208,3 +208,5 @@ def test_kv_store_paths_expand_the_home_folder(tmp_path, monkeypatch):
     store = open_store("~/kv-here")
     assert store.tiers()["disk"] == tmp_path / "kv-here" and not (tmp_path / "~").exists()
     assert isinstance(store.memory, MemoryStore)
+    # bounded by default on disk too (LRU), as the README says
+    assert store.stats()["disk"]["max_bytes"] == 20 * 1024**3 and store.stats()["memory"]["max_bytes"] == 2 * 1024**3

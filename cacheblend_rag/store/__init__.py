@@ -46,11 +46,15 @@ def _is_redis(spec: str) -> bool:
     return spec.startswith(REDIS_SCHEMES)
 
 
+DEFAULT_MEMORY_BYTES = 2 * 1024**3  # the memory tier's LRU budget
+DEFAULT_DISK_BYTES = 20 * 1024**3  # the disk tier's LRU budget (least recently used files deleted beyond it)
+
+
 def open_store(
     path: StoreSpec | Sequence[StoreSpec] | None,
     *,
-    memory_bytes: int | None = 2 * 1024**3,
-    disk_bytes: int | None = None,
+    memory_bytes: int | None = DEFAULT_MEMORY_BYTES,
+    disk_bytes: int | None = DEFAULT_DISK_BYTES,
     disk_dtype: torch.dtype = torch.float16,
 ) -> KVStore:
     """Build the KV store from a spec.
