@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..errors import CacheBlendError
+from ..errors import CacheBlendError, KVWriteError
 from .loaders import (
     DEFAULT_CHUNK_TOKENS,
     ChunkRecord,
@@ -193,12 +193,12 @@ def ingest_paths(
         len(read_files), len(run.ids), len(run.new_ids), run.new_kv, run.tokens, run.kv_bytes,
         time.perf_counter() - started, tuple(run.ids), tuple(skipped), tuple(run.kv_failed), removed, dropped,
     )
+    if report.kv_failed:  # the store's own error says why when it raised one (disk full, read-only, Redis down)
+        why = f": {error}" if isinstance(error, KVWriteError) else " (see the warnings above: disk full or read-only?)"
+        raise IngestError(f"the KV of {len(report.kv_failed)} chunks could not be stored in {_kv_location(engine)}"
+                          f"{why}; {report.summary()}", report) from error
     if error is not None:
         raise IngestError(f"ingest stopped: {error}; {report.summary()}", report) from error
-    if report.kv_failed:
-        raise IngestError(
-            f"the KV of {len(report.kv_failed)} chunks could not be stored in {_kv_location(engine)} (see the "
-            f"warnings above: disk full or read-only?); {report.summary()}", report)
     return report
 
 

@@ -161,12 +161,9 @@ class TieredStore:
         return merged
 
     def entry_nbytes(self, key: KVKey) -> int | None:
-        """As stored by the slowest (most durable) tier that has it."""
-        for store in reversed(self.stores):
-            size = store.entry_nbytes(key)
-            if size is not None:
-                return size
-        return None
+        """As the slowest (most durable) tier stores it; None if that tier does not hold it (a copy kept only in
+        a faster tier is not stored)."""
+        return self.stores[-1].entry_nbytes(key)
 
     def stats(self) -> dict:
         """Overall hits/misses plus each tier's stats under its name."""
