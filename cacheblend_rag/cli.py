@@ -1,6 +1,6 @@
 """`cacheblend-rag`: ingest files (Chroma + precomputed KV) and ask questions over them.
 
-    cacheblend-rag ingest PATH... [--home DIR] [--model NAME]
+    cacheblend-rag ingest PATH... [--home DIR] [--model NAME] [--kv-codec fp16|int8|cachegen]
     cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]
     cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
 
@@ -44,7 +44,8 @@ def _engine_and_store(args: argparse.Namespace):
     from .retrieval.chroma import ChromaChunkStore
 
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
-                                              dtype=args.dtype, home=args.home)
+                                              dtype=args.dtype, home=args.home,
+                                              kv_codec=getattr(args, "kv_codec", "fp16"))
     store = ChromaChunkStore(args.home, args.collection, host=args.host, port=args.port)
     return engine, store
 
@@ -59,6 +60,9 @@ def _add_ingest(subparsers) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
     _common(p)
     p.add_argument("--chunk-tokens", type=int, default=512, help="chunk size in model tokens (default 512)")
+    p.add_argument("--kv-codec", default="fp16", metavar="NAME",
+                   help="how new chunk KV is stored on disk: fp16 (exact, default), int8 (~2x smaller) or cachegen "
+                        "(~5x smaller); stores may mix codecs, every file names its own")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_run_ingest)

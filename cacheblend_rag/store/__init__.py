@@ -34,13 +34,15 @@ def open_store(
     memory_bytes: int | None = 2 * 1024**3,
     disk_bytes: int | None = None,
     disk_dtype: torch.dtype = torch.float16,
+    codec: str = "fp16",
 ) -> KVStore:
-    """None -> MemoryStore; a directory -> memory tier over a DiskStore there; a KVStore -> itself."""
+    """None -> MemoryStore; a directory -> memory tier over a DiskStore there (writing `codec`); a KVStore -> itself."""
     if path is None:
         return MemoryStore(memory_bytes)
     if isinstance(path, (str, Path)):
         # "~/kv" means the home folder, never a literal "./~" folder
-        return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype))
+        return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype,
+                                                                codec=codec))
     if isinstance(path, KVStore):
         return path
     raise ConfigError(f"open_store expects None, a path or a KVStore, got {type(path).__name__}")
