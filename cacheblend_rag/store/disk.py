@@ -1,4 +1,8 @@
-"""On-disk KV store: one self-validating safetensors file per chunk, LRU-bounded by bytes."""
+"""On-disk KV store: one self-validating safetensors file per chunk, LRU-bounded by bytes.
+
+Raw files (format version 1, fp16 by default) hold `k.<layer>`/`v.<layer>`; coded files (version 2) name their
+codec in the header and hold each layer's codec tensors as `<layer>.<name>` (docs/design.md, "Stored format").
+"""
 
 from __future__ import annotations
 
@@ -104,8 +108,10 @@ def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
 class DiskStore:
     """KV entries as `root/<namespace>/<chunk_id[:2]>/<chunk_id>.safetensors`.
 
-    Every read is validated (header, key, token digest, per-tensor crc32, shapes); a bad
-    file is quarantined and reads as a miss. Writes are atomic (temp file + os.replace),
+    Every read is validated (header, key, token digest, per-tensor crc32, shapes, and the codec's own
+    checks for coded files); a bad file, or one naming a codec this version cannot read, is quarantined
+    and reads as a miss. `codec` ("fp16", "int8", "cachegen", ... or a KVCodec) is what new entries are
+    written with; every file says its own, so one store may mix them. Writes are atomic (temp file + os.replace),
     so concurrent writers, threads or processes, always leave one complete file.
     The byte budget is tracked per process from a scan at init; recency is file mtime.
     """
