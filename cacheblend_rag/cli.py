@@ -1,6 +1,7 @@
 """`cacheblend-rag`: ingest files (Chroma + precomputed KV) and ask questions over them.
 
     cacheblend-rag ingest PATH... [--home DIR] [--model NAME] [--memory-budget 512MiB] [--follow-symlinks]
+                          [--kv-codec fp16|int8|cachegen]
     cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]
     cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
     cacheblend-rag delete PATH...      # remove the chunks (and KV) of these files or folders
@@ -144,7 +145,8 @@ def _engine(args: argparse.Namespace):
     from .store import open_store
 
     check_device(args.device)
-    kv_store = open_store(settings.kv_dir(args.home), memory_bytes=args.memory_budget)
+    kv_store = open_store(settings.kv_dir(args.home), memory_bytes=args.memory_budget,
+                          codec=getattr(args, "kv_codec", "fp16"))
     return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
                                             home=args.home)
 
@@ -177,6 +179,9 @@ def _add_ingest(subparsers) -> None:
     p.add_argument("--chunk-tokens", type=_chunk_tokens, default=512, help="chunk size in model tokens (default 512)")
     p.add_argument("--follow-symlinks", action="store_true",
                    help="read symbolic links inside a folder that point outside it (refused by default)")
+    p.add_argument("--kv-codec", default="fp16", metavar="NAME",
+                   help="how new chunk KV is stored on disk: fp16 (exact, default), int8 (~2x smaller) or cachegen "
+                        "(~5x smaller); stores may mix codecs, every file names its own")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_run_ingest)

@@ -39,6 +39,7 @@ from .models.adapter import get_adapter
 from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from .models.loader import DEFAULT_MODEL, load_model
 from .store import KVStore, open_store
+from .store.codecs import CODECS
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,16 @@ class Generation:
     logits: torch.Tensor | None = field(default=None, repr=False)  # (vocab,) first-token logits of the prefill
 
 
+def _check_kv_codec(kv_codec: str, kv_store: object) -> None:
+    """ConfigError unless kv_codec names a codec and, if not fp16, kv_store is a path (a disk store it configures)."""
+    if not isinstance(kv_codec, str) or kv_codec not in CODECS:
+        raise ConfigError(f"unknown kv_codec {kv_codec!r}; choose one of {sorted(CODECS)} "
+                          "(fp16: exact, int8: ~2x smaller, cachegen: ~5x smaller)")
+    if kv_codec != "fp16" and not isinstance(kv_store, (str, os.PathLike)):
+        raise ConfigError(f"kv_codec={kv_codec!r} applies to a disk store: pass kv_store=PATH, or build "
+                          "DiskStore(root, codec=...) and pass that store")
+
+
 class CacheBlendEngine:
     """A local generator that reuses chunk KV caches: full prefill, prefix cache, full reuse or CacheBlend.
 
@@ -85,11 +96,13 @@ class CacheBlendEngine:
         max_known_chunks: int = 8192,
         model_name: str | None = None,
         chunk_index: ChunkIndex | str | os.PathLike[str] | None = None,
+        kv_codec: str = "fp16",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = get_adapter(model)
-        self.kv_store: KVStore = open_store(kv_store)
+        _check_kv_codec(kv_codec, kv_store)
+        self.kv_store: KVStore = open_store(kv_store, codec=kv_codec)
         self.template = template or PromptTemplate()
         if lead_in not in LEAD_INS:
             raise ConfigError(f"lead_in must be one of {LEAD_INS}, got {lead_in!r}")
@@ -124,12 +137,14 @@ class CacheBlendEngine:
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
         home: str | os.PathLike[str] | None = None,
+        kv_codec: str = "fp16",
         **kwargs,
     ) -> "CacheBlendEngine":
-        """Load a packaged or local model offline and build an engine on it."""
+        """Load a packaged or local model offline and build an engine on it (kv_codec: how a disk store codes KV)."""
+        _check_kv_codec(kv_codec, kv_store)  # before loading the model
         model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, home=home)
         kwargs.setdefault("model_name", str(name_or_path))
-        return cls(model, tokenizer, kv_store, home=home, **kwargs)
+        return cls(model, tokenizer, kv_store, home=home, kv_codec=kv_codec, **kwargs)
 
     # ---- facts --------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import torch
 from ..store import KVKey
 from ..store.base import ChunkKV
 from ..store.codecs import MEASUREMENT_HEADER, decode_chunk, encode_chunk, get_codec, measure_codec
-from .datasets import default_dataset, load_dataset, passages_of
+from .datasets import load_dataset, passages_of, resolve_dataset
 from .metrics import first_token_kl
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ..engine import CacheBlendEngine
 
-    path = default_dataset()
+    path = resolve_dataset(None)
     if path is None:
         raise SystemExit("MuSiQue data not found; set $CACHEBLEND_RAG_MUSIQUE")
     engine = CacheBlendEngine.from_pretrained(args.model, None, device="cpu", dtype=args.dtype)

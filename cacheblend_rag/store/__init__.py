@@ -56,10 +56,12 @@ def open_store(
     memory_bytes: int | None = DEFAULT_MEMORY_BYTES,
     disk_bytes: int | None = DEFAULT_DISK_BYTES,
     disk_dtype: torch.dtype = torch.float16,
+    codec: str = "fp16",
 ) -> KVStore:
     """Build the KV store from a spec.
 
-    None -> MemoryStore; a directory -> memory over a DiskStore there; "redis://host:port/db[?prefix=NAME]" ->
+    None -> MemoryStore; a directory -> memory over a DiskStore there (writing new entries with
+    `codec`); "redis://host:port/db[?prefix=NAME]" ->
     memory over Redis; a KVStore -> itself; a list of tiers fastest first, each "memory", "disk:PATH" (or a Path),
     "redis://..." or a KVStore -> a TieredStore of them (e.g. ["memory", "disk:~/kv", "redis://cache:6379/0"]).
     """
@@ -71,9 +73,10 @@ def open_store(
         return TieredStore(MemoryStore(memory_bytes), _redis(path, disk_dtype))
     if isinstance(path, (str, Path)):
         # "~/kv" means the home folder, never a literal "./~" folder
-        return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype))
+        return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype,
+                                                                codec=codec))
     if isinstance(path, Sequence):
-        tiers = [_tier(spec, i, memory_bytes, disk_bytes, disk_dtype) for i, spec in enumerate(path)]
+        tiers = [_tier(spec, i, memory_bytes, disk_bytes, disk_dtype, codec) for i, spec in enumerate(path)]
         if not tiers:
             raise ConfigError("open_store got an empty list of tiers; give at least one, e.g. ['memory']")
         return tiers[0] if len(tiers) == 1 else TieredStore(*tiers)
@@ -82,19 +85,19 @@ def open_store(
 
 
 def _tier(spec: StoreSpec, index: int, memory_bytes: int | None, disk_bytes: int | None,
-          disk_dtype: torch.dtype) -> KVStore:
+          disk_dtype: torch.dtype, codec: str = "fp16") -> KVStore:
     """One tier of a list spec."""
     if isinstance(spec, KVStore):
         return spec
     if isinstance(spec, Path):
-        return DiskStore(spec.expanduser(), disk_bytes, disk_dtype)
+        return DiskStore(spec.expanduser(), disk_bytes, disk_dtype, codec=codec)
     if isinstance(spec, str):
         if spec == "memory":
             if index:
                 raise ConfigError('"memory" must be the first tier: tiers are listed fastest first')
             return MemoryStore(memory_bytes)
         if spec.startswith("disk:") and len(spec) > 5:
-            return DiskStore(Path(spec[5:]).expanduser(), disk_bytes, disk_dtype)
+            return DiskStore(Path(spec[5:]).expanduser(), disk_bytes, disk_dtype, codec=codec)
         if _is_redis(spec):
             return _redis(spec, disk_dtype)
     raise ConfigError(f"unknown KV tier {spec!r}; use \"memory\", \"disk:PATH\", \"redis://host:port/db\" "

@@ -1,8 +1,13 @@
-"""On-disk KV store: one self-validating safetensors file per chunk, LRU-bounded by bytes."""
+"""On-disk KV store: one self-validating safetensors file per chunk, LRU-bounded by bytes.
+
+Raw files (format version 1, fp16 by default) hold `k.<layer>`/`v.<layer>`; coded files (version 2) name their
+codec in the header and hold each layer's codec tensors as `<layer>.<name>` (docs/design.md, "Stored format").
+"""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import stat
@@ -21,16 +26,20 @@ from safetensors.torch import save as st_save
 
 from ..errors import ConfigError, KVWriteError
 from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
+from .codecs import CODECS, KVCodec, RawCodec, get_codec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FORMAT = "cacheblend-kv"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # coded files (codec named in the header); raw files are still written as version 1
+RAW_FORMAT_VERSION = "1"  # k.<layer>/v.<layer> tensors in one float dtype (the fp16 default)
 SUFFIX = ".safetensors"
 QUARANTINE_DIR = ".quarantine"
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _READ_ATTEMPTS = 3
+_ITEMSIZE = {"U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8,
+             "I64": 8, "F64": 8, "BOOL": 1}
 _INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_dim", "positions_start")
 MAX_HEADER_BYTES = 1024**2  # ours are ~10 kB; a larger header is hostile or foreign and never parsed
 QUARANTINE_MAX_FILES = 32  # oldest quarantined files beyond this are deleted
@@ -99,17 +108,30 @@ def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
 class DiskStore:
     """KV entries as `root/<namespace>/<chunk_id[:2]>/<chunk_id>.safetensors`.
 
-    Every read is validated (header, key, token digest, per-tensor crc32, shapes); a bad
-    file is quarantined and reads as a miss. Writes are atomic (temp file + os.replace),
+    Every read is validated (header, key, token digest, per-tensor crc32, shapes, and the codec's own
+    checks for coded files); a bad file, or one naming a codec this version cannot read, is quarantined
+    and reads as a miss. `codec` ("fp16", "int8", "cachegen", ... or a KVCodec) is what new entries are
+    written with; every file says its own, so one store may mix them. Writes are atomic (temp file + os.replace),
     so concurrent writers, threads or processes, always leave one complete file.
     The byte budget is tracked per process from a scan at init; recency is file mtime.
     """
 
-    def __init__(self, root: str | Path, max_bytes: int | None = None, dtype: torch.dtype = torch.float16) -> None:
+    def __init__(self, root: str | Path, max_bytes: int | None = None, dtype: torch.dtype = torch.float16,
+                 codec: str | KVCodec = "fp16") -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ConfigError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         if _dtype_name(dtype) not in _DTYPES:
             raise ConfigError(f"disk dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+        if isinstance(codec, str):
+            if codec not in CODECS:
+                raise ConfigError(f"unknown KV codec {codec!r}; choose one of {sorted(CODECS)}")
+            codec = get_codec(codec)
+        if not isinstance(codec, KVCodec):
+            raise ConfigError(f"codec must be a codec name {sorted(CODECS)} or a KVCodec, got {type(codec).__name__}")
+        # Raw codecs keep writing the version-1 layout; "fp16" (the default) stores in `dtype`, as before.
+        self.codec: KVCodec | None = None if isinstance(codec, RawCodec) else codec
+        if isinstance(codec, RawCodec) and codec.name != "fp16":
+            dtype = codec.dtype
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -172,6 +194,11 @@ class DiskStore:
             with self._lock:
                 self._hits += 1
                 self._touch(path)
+            # touching changed the file's ctime: take the signature again, while the open handle pins the inode
+            # (so the same device, inode and size are this very file), or a bad layer could not be quarantined
+            now = self._signature(path)
+            if now is not None and now[:3] == sig[:3]:
+                sig = now
             return DiskReader(self, key, path, sig, handle, meta, token_ids)
         with self._lock:
             self._misses += 1
@@ -204,7 +231,8 @@ class DiskStore:
     def read_meta(self, key: KVKey) -> dict | None:
         """The entry's header (str -> str) after checking it names this key, or None."""
         path = self.path_for(key)
-        return self._guarded(path, lambda f: self._check_meta(f.metadata(), key))
+        meta = self._guarded(path, lambda f: self._check_meta(f.metadata(), key))
+        return None if meta is None else {k: v for k, v in meta.items() if not k.startswith("_")}
 
     def put(self, key: KVKey, kv: ChunkKV) -> None:
         """Write (or replace) an entry atomically, then evict LRU files to stay in budget."""
@@ -269,6 +297,8 @@ class DiskStore:
     def _serialize(self, key: KVKey, kv: ChunkKV) -> bytes:
         if kv.positions_start < 0:
             raise ConfigError(f"positions_start must be >= 0, got {kv.positions_start}")
+        if self.codec is not None:
+            return self._serialize_coded(key, kv, self.codec)
         src = [t.detach() for pair in zip(kv.keys, kv.values) for t in pair]
         dtype = self.dtype
         cast = [t.to("cpu", dtype) for t in src]
@@ -290,7 +320,7 @@ class DiskStore:
         tensors["token_ids"] = token_ids
         meta = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": RAW_FORMAT_VERSION,
             "namespace": key.namespace,
             "chunk_id": key.chunk_id,
             "kv_digest": token_ids_digest(key.namespace, token_ids),
@@ -301,6 +331,40 @@ class DiskStore:
             "v_head_dim": str(tensors["v.0"].shape[2]),
             "dtype": _dtype_name(dtype),
             "positions_start": str(int(kv.positions_start)),
+        }
+        meta.update({f"crc.{name}": _crc(t) for name, t in tensors.items()})
+        return st_save(tensors, meta)
+
+    def _serialize_coded(self, key: KVKey, kv: ChunkKV, codec: KVCodec) -> bytes:
+        """Version 2: each layer's codec tensors as `<layer>.<name>`, the codec named in the header."""
+        dtype = self.dtype  # what readers decode to
+        if any(k.dtype != dtype and (_overflows(k, k.to(dtype)) or _overflows(v, v.to(dtype)))
+               for k, v in zip(kv.keys, kv.values)):
+            logger.warning("KV of %s overflows %s; this entry decodes to float32", key, _dtype_name(dtype))
+            dtype = torch.float32
+        tensors: dict[str, torch.Tensor] = {}
+        for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+            for name, t in codec.encode_layer(k.detach(), v.detach(), layer, kv.num_layers).items():
+                tensors[f"{layer}.{name}"] = t.detach().cpu().contiguous().clone()
+        token_ids = kv.token_ids.detach().to("cpu", torch.int64).contiguous()
+        tensors["token_ids"] = token_ids
+        k0, v0 = kv.keys[0], kv.values[0]
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "namespace": key.namespace,
+            "chunk_id": key.chunk_id,
+            "kv_digest": token_ids_digest(key.namespace, token_ids),
+            "num_layers": str(kv.num_layers),
+            "num_tokens": str(kv.num_tokens),
+            "num_kv_heads": str(k0.shape[1]),
+            "head_dim": str(k0.shape[2]),
+            "v_head_dim": str(v0.shape[2]),
+            "dtype": _dtype_name(dtype),
+            "positions_start": str(int(kv.positions_start)),
+            "codec": codec.name,
+            "codec_version": codec.version,
+            "codec_params": json.dumps(codec.params(), sort_keys=True),
         }
         meta.update({f"crc.{name}": _crc(t) for name, t in tensors.items()})
         return st_save(tensors, meta)
@@ -350,7 +414,7 @@ class DiskStore:
     def _check_meta(self, meta: dict | None, key: KVKey) -> dict:
         if not meta:
             raise _Corrupt("no metadata header")
-        if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format") != FORMAT or meta.get("format_version") not in (RAW_FORMAT_VERSION, FORMAT_VERSION):
             raise _Corrupt(f"format {_short(meta.get('format'))} v{_short(meta.get('format_version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
             raise _Corrupt(f"file holds {_short(meta.get('namespace'))}/{_short(meta.get('chunk_id'))}, not {key}")
@@ -362,7 +426,31 @@ class DiskStore:
                 raise _Corrupt(f"bad {name}={_short(meta.get(name))}")
         if int(meta["num_layers"]) < 1:
             raise _Corrupt("num_layers < 1")
-        return dict(meta)
+        out = dict(meta)
+        if meta["format_version"] == FORMAT_VERSION:
+            out["_codec"] = self._codec_of(meta)
+        return out
+
+    @staticmethod
+    def _codec_of(meta: dict) -> KVCodec:
+        """The codec a version-2 header names, rebuilt from its parameters; _Corrupt if unknown or invalid."""
+        name, version = meta.get("codec"), meta.get("codec_version")
+        try:
+            params = json.loads(meta.get("codec_params", ""))
+        except ValueError as e:
+            raise _Corrupt(f"codec_params is not JSON: {e}") from None
+        if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in params.items()):
+            raise _Corrupt(f"codec_params must be a JSON object of strings, got {_short(params)}")
+        if name not in CODECS:
+            raise _Corrupt(f"unknown codec {_short(name)}")
+        try:
+            codec = get_codec(name, **params)
+        except ConfigError as e:
+            raise _Corrupt(f"codec {name} cannot be built from {_short(params)}: {e}") from None
+        if codec.version != version:
+            raise _Corrupt(f"codec {name} v{_short(version)} is not readable by this version (v{codec.version})")
+        return codec
 
     def _tensor(self, f, meta: dict, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         t = f.get_tensor(name)
@@ -376,18 +464,55 @@ class DiskStore:
         """The validated header and token ids of an open file (names, digest): what every read checks first."""
         meta = self._check_meta(f.metadata(), key)
         n_layers = int(meta["num_layers"])
-        expected = {"token_ids"} | {f"{c}.{i}" for i in range(n_layers) for c in "kv"}
-        if set(f.keys()) != expected:
-            raise _Corrupt("unexpected tensor names")
+        if meta["format_version"] == RAW_FORMAT_VERSION:
+            expected = {"token_ids"} | {f"{c}.{i}" for i in range(n_layers) for c in "kv"}
+            if set(f.keys()) != expected:
+                raise _Corrupt("unexpected tensor names")
+        else:
+            meta["_layers"] = self._coded_layout(f, n_layers)
         token_ids = self._tensor(f, meta, "token_ids", (int(meta["num_tokens"]),), torch.int64)
         if token_ids_digest(key.namespace, token_ids) != meta.get("kv_digest"):
             raise _Corrupt("kv_digest does not match the stored token ids")
         return meta, token_ids
 
+    @staticmethod
+    def _coded_layout(f, n_layers: int) -> list[tuple[list[str], int]]:
+        """Per layer of a version-2 file: its codec tensor names and stored bytes (read from the header only)."""
+        layers: list[tuple[list[str], int]] = [([], 0) for _ in range(n_layers)]
+        for full in f.keys():
+            if full == "token_ids":
+                continue
+            index, _, name = full.partition(".")
+            if not (index.isascii() and index.isdigit() and len(index) < 10 and name) or int(index) >= n_layers:
+                raise _Corrupt(f"unexpected tensor name {_short(full)}")
+            sl = f.get_slice(full)
+            numel = 1
+            for d in sl.get_shape():
+                numel *= int(d)
+            itemsize = _ITEMSIZE.get(sl.get_dtype())
+            if itemsize is None:
+                raise _Corrupt(f"tensor {_short(full)} has unsupported dtype {_short(sl.get_dtype())}")
+            names, nbytes = layers[int(index)]
+            names.append(name)
+            layers[int(index)] = (names, nbytes + numel * itemsize)
+        if any(not names for names, _ in layers):
+            raise _Corrupt("a layer has no tensors")
+        return layers
+
     def _layer(self, f, meta: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's validated (keys, values) from an open file whose header was checked."""
+        """One layer's validated (keys, values) from an open file whose header was checked (decoded if coded)."""
         n, h = int(meta["num_tokens"]), int(meta["num_kv_heads"])
         dtype = _DTYPES[meta["dtype"]]
+        if meta["format_version"] == FORMAT_VERSION:
+            tensors = {}
+            for name in meta["_layers"][layer][0]:
+                t = f.get_tensor(f"{layer}.{name}")
+                if meta.get(f"crc.{layer}.{name}") != _crc(t):
+                    raise _Corrupt(f"checksum mismatch in {layer}.{name}")
+                tensors[name] = t
+            return meta["_codec"].decode_layer(tensors, num_tokens=n, num_kv_heads=h, head_dim=int(meta["head_dim"]),
+                                               v_head_dim=int(meta["v_head_dim"]), layer=layer,
+                                               num_layers=int(meta["num_layers"]), dtype=dtype)
         return (self._tensor(f, meta, f"k.{layer}", (n, h, int(meta["head_dim"])), dtype),
                 self._tensor(f, meta, f"v.{layer}", (n, h, int(meta["v_head_dim"])), dtype))
 
@@ -504,12 +629,17 @@ class DiskReader:
         self._meta = meta
         self.token_ids = token_ids
         self.num_layers = int(meta["num_layers"])
-        itemsize = torch.empty(0, dtype=_DTYPES[meta["dtype"]]).element_size()
-        heads, n = int(meta["num_kv_heads"]), int(meta["num_tokens"])
-        self.layer_nbytes = n * heads * (int(meta["head_dim"]) + int(meta["v_head_dim"])) * itemsize
+        if "_layers" in meta:  # coded: what each layer's tensors take in the file
+            self._layer_bytes = [nbytes for _, nbytes in meta["_layers"]]
+        else:
+            itemsize = torch.empty(0, dtype=_DTYPES[meta["dtype"]]).element_size()
+            heads, n = int(meta["num_kv_heads"]), int(meta["num_tokens"])
+            self._layer_bytes = [n * heads * (int(meta["head_dim"]) + int(meta["v_head_dim"])) * itemsize] * self.num_layers
+        self.layer_nbytes = -(-sum(self._layer_bytes) // self.num_layers)  # stored bytes of a layer (mean)
         self.positions_start = int(meta["positions_start"])
         self.bytes_read = 0
         self._read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._failed = False
         self._lock = threading.Lock()
 
     @property
@@ -524,13 +654,16 @@ class DiskReader:
         with self._lock:
             if self._handle is None:
                 raise LayerReadError(self.key, layer, "reader closed")
+            if self._failed:  # the file was quarantined already (e.g. promotion after a failed request)
+                raise LayerReadError(self.key, layer, "entry was found corrupt")
             try:
                 loaded = self.store._layer(self._handle, self._meta, layer)
             except Exception as e:  # noqa: BLE001 - a bad layer is a bad file
+                self._failed = True
                 self.store._quarantine(self.path, self._sig, f"layer {layer}: {type(e).__name__}: {e}")
                 raise LayerReadError(self.key, layer, type(e).__name__) from e
             self._read[layer] = loaded
-            self.bytes_read += self.layer_nbytes
+            self.bytes_read += self._layer_bytes[layer]
         return loaded
 
     def complete(self) -> ChunkKV | None:
