@@ -11,7 +11,7 @@ import torch
 
 from cacheblend_rag import CacheBlendEngine, ModelNotFoundError, load_model
 from cacheblend_rag.bench.metrics import first_token_kl
-from cacheblend_rag.fuse.policies import CacheBlend
+from cacheblend_rag.fuse.policies import CacheBlend, HKVDSelection
 from cacheblend_rag.models.loader import model_folder, resolve_dtype
 
 pytestmark = pytest.mark.model
@@ -102,9 +102,15 @@ def test_hkvd_selection_does_real_work(engine, three):
     ids = engine.ingest(three, show_progress=False)
     full = engine.prefill(ids, QUESTION, method="full_prefill")
 
+    class LowestSelection(HKVDSelection):
+        def select(self, score, seq, ratio):
+            return super().select(torch.where(torch.isinf(score), score, -score), seq, ratio)
+
     class LowestDeviation(CacheBlend):
-        def _select(self, score, seq, budget):
-            return super()._select(torch.where(torch.isinf(score), score, -score), seq, budget)
+        def start(self, adapter, seq):
+            selection = super().start(adapter, seq)
+            assert isinstance(selection, HKVDSelection)  # 0.15 of reused rows: a real selection
+            return LowestSelection(**vars(selection))
 
     kl_high = first_token_kl(full.logits, engine.prefill(ids, QUESTION, recompute_ratio=0.15).logits)
     kl_low = first_token_kl(full.logits, engine.prefill(ids, QUESTION, LowestDeviation(0.15)).logits)

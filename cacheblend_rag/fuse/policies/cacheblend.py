@@ -123,14 +123,18 @@ class HKVDSelection(RowSelection):
             score = hkvd_score(view, policy.deviation, policy.weight)
             self.score = score if self.score is None else self.score + score
             if layer + 1 == self.full_layers:
-                return self._kept(top_rows(self.score, seq, self.first_ratio, policy.selection), view)
+                return self._kept(self.select(self.score, seq, self.first_ratio), view)
             return None
         if layer != self.filter_layer:
             return None
         # the same score over the candidates only: deviation at this layer × the question's attention here
         score = torch.full(seq.cached.shape, -math.inf, device=view.rows.device)
         score[view.rows] = hkvd_score(view, policy.deviation, policy.weight)[view.rows]
-        return self._kept(top_rows(score, seq, policy.recompute_ratio, policy.selection), view)
+        return self._kept(self.select(score, seq, policy.recompute_ratio), view)
+
+    def select(self, score: torch.Tensor, seq: FusedSequence, ratio: float) -> torch.Tensor:
+        """(N,) bool: the reused rows to keep, the top `ratio` by score (a subclass may choose otherwise)."""
+        return top_rows(score, seq, ratio, self.policy.selection)
 
     def _kept(self, selected: torch.Tensor, view: LayerView) -> torch.Tensor:
         """Over the view's rows: the uncached rows, and the reused rows selected or always recomputed."""
