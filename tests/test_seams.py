@@ -76,7 +76,9 @@ class EveryOtherRow:
     name: ClassVar[str] = "every_other_row"
 
     def place(self, cache, request):
-        return placement.every_chunk(cache, request)
+        placed = placement.every_chunk(cache, request)
+        placed.report["every_other_row"] = {"placed": len(placed.placements)}
+        return placed
 
     def start(self, adapter, seq):
         return _EveryOther(~seq.exact, full_layers=1)
@@ -92,6 +94,9 @@ class _EveryOther(RowSelection):
             return None
         return (view.rows % 2 == 0) | ~view.seq.reused[view.rows]
 
+    def report(self):
+        return {"rows_dropped_at": 0}
+
 
 def test_a_new_policy_is_one_class_and_one_registry_line(tokenizer, monkeypatch):
     monkeypatch.setitem(POLICIES, EveryOtherRow.name, EveryOtherRow)
@@ -102,6 +107,10 @@ def test_a_new_policy_is_one_class_and_one_registry_line(tokenizer, monkeypatch)
     assert stats["method"] == "every_other_row" and stats["chunk_hits"] == ids
     assert 0 < stats["num_recomputed"] < stats["num_reused"]
     assert len(out.token_ids) == 3
+    # the policy's own report (placement and selection) reaches the stats, by key and in as_dict()
+    assert stats["every_other_row"] == {"placed": len(ids) + 1}  # the chunks and the exact prefix
+    assert stats["rows_dropped_at"] == 0
+    assert stats.as_dict()["rows_dropped_at"] == 0 and "policy_report" not in stats
 
 
 def test_the_registry_names_every_method_and_options_are_checked_by_name():

@@ -50,6 +50,8 @@ class Selection(Protocol):
         Dropped rows still leave their fresh K/V in this layer; rows without cached KV are never dropped.
         """
 
+    # Optional: `report() -> dict` after the loop, merged into the request's stats (e.g. {"guard": {...}}).
+
 
 @dataclass
 class LoopResult:

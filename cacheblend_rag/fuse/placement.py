@@ -23,6 +23,7 @@ class Placements:
     hits: list[str] = field(default_factory=list)
     misses: list[str] = field(default_factory=list)
     holes: list[Chunk] = field(default_factory=list)  # misses to compute in isolation and store after the request
+    report: dict = field(default_factory=dict)  # the policy's own facts for the request's stats (e.g. variants used)
 
     def close(self) -> None:
         """End of the request: every reader releases its handle (tiers may promote what was read)."""

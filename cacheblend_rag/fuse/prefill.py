@@ -61,14 +61,26 @@ class RequestStats(Mapping):
     recompute_ratio: float | None = None  # the ratio the policy ran at (the controller's with "auto")
     controller: dict | None = None  # the loading controller's decision, with recompute_ratio="auto"
     num_generated: int | None = None  # after decoding
+    # A policy's own report, one entry per name (e.g. "cachecraft", "guard"): from `Placements.report` and the
+    # selection's optional `report()`; flattened into the top level of `as_dict()`.
+    policy_report: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        """A plain, JSON-ready dict (optional fields that are None left out)."""
+        """A plain, JSON-ready dict (optional fields that are None left out, the policy's report at the top level)."""
         d = dataclasses.asdict(self)
-        return {k: v for k, v in d.items() if v is not None}
+        report = d.pop("policy_report")
+        out = {k: v for k, v in d.items() if v is not None}
+        out.update({k: v for k, v in report.items() if k not in out})
+        return out
 
     def __getitem__(self, key: str) -> Any:
-        return self.as_dict()[key]
+        if key != "policy_report" and key in _STATS_FIELDS:  # a field: no copy of the whole record
+            value = getattr(self, key)
+            if value is not None:
+                return value
+        elif key in self.policy_report:
+            return self.policy_report[key]
+        raise KeyError(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.as_dict())
@@ -90,6 +102,8 @@ class Prefill:
     unstored_holes: list[Chunk] = field(default_factory=list, repr=False)  # holes left to store (store_holes=False)
 
 
+_STATS_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestStats))
+
 AutoRatio = Callable[[FusedSequence, Placements], Any]  # → a controller decision with .recompute_ratio, .as_dict()
 
 
@@ -102,6 +116,7 @@ class _Run:
     timing: dict[str, float]
     policy: Policy
     decision: Any = None
+    selection_report: dict[str, Any] = field(default_factory=dict)
 
 
 def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, store_holes: bool = True,
@@ -171,7 +186,8 @@ def _run(cache: ChunkCache, policy: Policy, request: FusionRequest, auto_ratio: 
     check_s = sum(result.layer_s[:selection.full_layers])  # the layers every row went through
     timing = {"kv_load_s": kv_open_s + seq.loader.load_s, "kv_wait_s": seq.loader.wait_s,
               "check_s": check_s, "layers_s": layers_s - check_s}
-    return _Run(seq, result, logits, placed, timing, policy, decision)
+    report = selection.report() if callable(getattr(selection, "report", None)) else {}
+    return _Run(seq, result, logits, placed, timing, policy, decision, dict(report or {}))
 
 
 def _stats(run: _Run, chunks: list[Chunk], ttft: float, by_tier: dict[str, int]) -> RequestStats:
@@ -203,4 +219,5 @@ def _stats(run: _Run, chunks: list[Chunk], ttft: float, by_tier: dict[str, int])
         kv_bytes_by_tier=by_tier,
         recompute_ratio=ratio,
         controller=run.decision.as_dict() if run.decision is not None else None,
+        policy_report={**placed.report, **run.selection_report},
     )
