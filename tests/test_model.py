@@ -31,6 +31,17 @@ def test_default_model_loads_offline_from_the_converted_cache(default_model):
     print(f"cached load in a fresh process: {done.stdout.strip()} s")
 
 
+def test_the_packaged_gguf_converts_in_a_child_process(tmp_path):
+    """A fresh home converts the GGUF out of process: its dequantization heap never inflates this process."""
+    code = ("import sys; from cacheblend_rag.models.loader import model_folder; "
+            "folder = model_folder('smollm2-135m', home=sys.argv[1]); "
+            "assert (folder / 'config.json').is_file() and (folder / 'model.safetensors').is_file(); "
+            "assert 'gguf' not in sys.modules, 'the GGUF was read in this process'")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not any(p.name.startswith(".") for p in (tmp_path / "models").iterdir())  # no temp folder left
+
+
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(ModelNotFoundError, match="neither a packaged model"):
         load_model(tmp_path / "nothing-here")
