@@ -266,3 +266,17 @@ def test_warm_from_vectorstore_gives_the_tutorial_chain_hits(engine, embeddings,
     assert warm_from_vectorstore(fresh, store, ids=["honey"]).already_stored == 1
     with pytest.raises(ConfigError, match="CacheBlendEngine"):
         warm_from_vectorstore("engine", store)
+
+
+def test_create_stuff_documents_chain_hits_warm_chunks(chroma, engine):
+    """LangChain's own create_retrieval_chain + create_stuff_documents_chain (langchain-classic), unchanged."""
+    from langchain_classic.chains import create_retrieval_chain
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+
+    prompt = ChatPromptTemplate.from_messages([("system", "Answer from the context.\n\n{context}"), ("human", "{input}")])
+    chain = create_retrieval_chain(ChromaRetriever(store=chroma, k=2),
+                                   create_stuff_documents_chain(ChatCacheBlend(engine=engine, max_tokens=2), prompt))
+    stats = StatsCallbackHandler()
+    out = chain.invoke({"input": QUESTION}, config={"callbacks": [stats]})
+    assert out["answer"] and sorted(stats.last["chunk_hits"]) == sorted(d.id for d in out["context"])
+    assert stats.last["per_chunk"] == {d.id: "hit" for d in out["context"]}
