@@ -2,6 +2,7 @@
 
     cacheblend-rag ingest PATH... [--home DIR] [--model NAME] [--memory-budget 512MiB] [--follow-symlinks]
                           [--kv-codec fp16|int8|cachegen]
+    cacheblend-rag ingest --from-chroma COLLECTION [--chroma-path DIR | --host H --port P]  # your own Chroma
     cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]
     cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
     cacheblend-rag delete PATH...      # remove the chunks (and KV) of these files or folders
@@ -174,8 +175,14 @@ def _add_ingest(subparsers) -> None:
                               "Idempotent; a re-ingested file's chunks that it no longer has are deleted with "
                               "their KV, and so are those of files gone from a re-ingested folder. Files that "
                               "cannot be read (not UTF-8, empty, not a regular file, ...) are skipped and listed.")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
     _common(p)
+    p.add_argument("--from-chroma", metavar="COLLECTION",
+                   help="instead of files: precompute the KV of every document of this existing Chroma collection "
+                        "(read only, no re-embedding), at --chroma-path or on the server at --host/--port")
+    p.add_argument("--chroma-path", metavar="DIR",
+                   help="with --from-chroma: the folder of a local (persistent) Chroma database; default: the "
+                        "package's own under --home")
     p.add_argument("--chunk-tokens", type=_chunk_tokens, default=512, help="chunk size in model tokens (default 512)")
     p.add_argument("--follow-symlinks", action="store_true",
                    help="read symbolic links inside a folder that point outside it (refused by default)")
@@ -192,6 +199,10 @@ def _run_ingest(args: argparse.Namespace) -> int:
 
     from .retrieval.pipeline import IngestError, ingest_paths
 
+    if args.from_chroma is not None or args.chroma_path is not None:
+        return _run_ingest_from_chroma(args)
+    if not args.paths:
+        raise ConfigError("give files or folders to ingest, or --from-chroma COLLECTION to warm an existing one")
     for path in args.paths:  # before the model loads
         if not os.path.lexists(Path(path).expanduser()):
             raise ConfigError(f"{path}: no such file or folder")
@@ -215,6 +226,37 @@ def _run_ingest(args: argparse.Namespace) -> int:
     if failure is not None:
         print(f"error: {failure}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_ingest_from_chroma(args: argparse.Namespace) -> int:
+    """`ingest --from-chroma COLLECTION`: the KV of the documents a Chroma collection already holds."""
+    from .retrieval.warm import iter_chroma_documents, open_chroma_collection, warm_texts
+
+    if args.from_chroma is None:
+        raise ConfigError("--chroma-path goes with --from-chroma COLLECTION")
+    if args.paths:
+        raise ConfigError("--from-chroma reads a collection: give no files or folders with it")
+    if args.chroma_path is not None and (args.host is not None or args.port is not None):
+        raise ConfigError("--chroma-path is a local database; --host/--port a server: give one of them")
+    if args.chroma_path is not None and not os.path.isdir(os.path.expanduser(args.chroma_path)):
+        raise ConfigError(f"--chroma-path {args.chroma_path}: no such folder")
+    check_device(args.device)
+    path = os.path.expanduser(args.chroma_path) if args.chroma_path is not None else None
+    # The collection first: a server that cannot be reached, or a missing collection, fails before the model loads.
+    store = open_chroma_collection(args.from_chroma, path=path, home=args.home, host=args.host, port=args.port,
+                                   token=args.chroma_token, ssl=args.chroma_ssl, ca_bundle=args.chroma_ca_bundle)
+    report = warm_texts(_engine(args), iter_chroma_documents(store.collection),
+                        show_progress=not (args.quiet or args.json))
+    for s in report.skipped[:_MAX_LISTED]:
+        print(f"skipped document {s.doc_id}: {s.reason}", file=sys.stderr)
+    if len(report.skipped) > _MAX_LISTED:
+        print(f"skipped {len(report.skipped) - _MAX_LISTED} more documents (see --json)", file=sys.stderr)
+    if args.json:
+        print(json.dumps({**report.as_dict(), "collection": args.from_chroma, "chroma": store.location,
+                          "home": str(settings.home_dir(args.home))}))
+    else:
+        print(f"warmed from Chroma collection {args.from_chroma!r} ({store.location}): {report.summary()}")
     return 0
 
 

@@ -219,3 +219,23 @@ def test_example_runs(home):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "A (CacheBlend):" in out.stdout and "A (HuggingFacePipeline):" in out.stdout
     assert "hits 4/4" in out.stdout and "time to first token" in out.stdout
+
+
+def test_bench_chain_methods_report_hits_on_warm_chunks(engine, passages):
+    """`bench --methods stuff_documents,llama_query`: LangChain's create_stuff_documents_chain and LlamaIndex's
+    Settings.llm + as_query_engine over ChromaVectorStore both reuse the warm passages' KV."""
+    from cacheblend_rag.bench.chains import ChainRunner, ttft_ratios
+    from cacheblend_rag.bench.methods import MethodSpec
+
+    chunks = passages[:2]
+    engine.ingest(chunks, show_progress=False)
+    runner = ChainRunner(engine, max_new_tokens=2)
+    records = []
+    for name in ("stuff_documents", "llama_query"):
+        record = runner.run(MethodSpec.parse(name), chunks, "Who wrote the first passage?")
+        assert (record["chunk_hits"], record["chunk_misses"]) == (2, 0), name
+        assert record["ttft_s"] > 0 and record["num_tokens"] > 0 and record["answer"]
+        records.append({**record, "method": name})
+    summary = {name: {"kind": "chain", "ttft_median_s": r["ttft_s"]} for name, r in zip(("stuff", "llama_query"), records)}
+    table = ttft_ratios({**summary, "cacheblend@0.15": {"kind": "engine", "ttft_median_s": 0.5}}, records)
+    assert "| llama_query |" in table and "x engine (cacheblend@0.15)" in table and "2.0 / 0.0" in table

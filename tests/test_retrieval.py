@@ -162,3 +162,80 @@ def test_chroma_server_on_loopback(chroma_server):
     store = ChromaChunkStore(host=host, port=port, collection="cacheblend_server_test")
     assert store.location == f"http://{host}:{port}"
     _check_store(store)
+
+
+# ---- warming the KV from a vector store the user already has ----------------------------------------------------
+
+
+def _users_chroma(path: Path, passages: list[str], name: str = "user_docs"):
+    """A collection made the way a user's own code makes one: its own ids and (here 3-d) embeddings."""
+    import chromadb
+    from chromadb.config import Settings
+
+    client = chromadb.PersistentClient(path=str(path), settings=Settings(anonymized_telemetry=False))
+    collection = client.get_or_create_collection(name)
+    docs = [*passages, passages[0], "  ", "too short", "word " * 9000]  # a duplicate, empty, short, too long
+    collection.add(ids=[f"doc-{i}" for i in range(len(docs))], documents=docs,
+                   embeddings=[[float(i), 1.0, 0.5] for i in range(len(docs))])
+    client.get_or_create_collection("empty_docs")
+    return docs
+
+
+@pytest.mark.model
+def test_warm_from_chroma_precomputes_a_users_collection(tmp_path, default_model, passages):
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.errors import VectorStoreError
+    from cacheblend_rag.retrieval import warm_from_chroma
+
+    docs = _users_chroma(tmp_path / "db", passages[:2])
+    model, tokenizer = default_model
+    engine = CacheBlendEngine(model, tokenizer, tmp_path / "kv")
+    report = warm_from_chroma(engine, "user_docs", path=tmp_path / "db")
+    assert (report.documents, report.chunks, report.new_kv, report.already_stored) == (len(docs), 2, 2, 0)
+    assert report.kv_bytes > 0 and report.chunk_ids == tuple(chunk_id(p) for p in passages[:2])
+    reasons = {s.doc_id: s.reason for s in report.skipped}
+    assert set(reasons) == {"doc-3", "doc-4", "doc-5"}
+    assert "empty" in reasons["doc-3"] and "shorter" in reasons["doc-4"] and "re-split" in reasons["doc-5"]
+
+    # The user's own prompt around a stored document reuses its KV; a second warm-up computes nothing.
+    prompt = f"Context:\n{passages[1]}\n\nQ: {passages[1].split(chr(10))[0]}?\nA:"
+    stats = engine.generate_prompt(prompt, max_new_tokens=1).stats
+    assert stats["chunk_hits"] == [chunk_id(passages[1])] and stats["num_reused"] > 0
+    again = warm_from_chroma(engine, "user_docs", path=tmp_path / "db")
+    assert (again.new_kv, again.already_stored) == (0, 2)
+    with pytest.raises(VectorStoreError, match="empty"):
+        warm_from_chroma(engine, "empty_docs", path=tmp_path / "db")
+    with pytest.raises(VectorStoreError, match="no collection 'nope'.*user_docs"):
+        warm_from_chroma(engine, "nope", path=tmp_path / "db")
+
+
+@pytest.mark.model
+def test_cli_ingest_from_chroma(tmp_path, default_model, passages, capsys):
+    from cacheblend_rag import settings
+    from cacheblend_rag.cli import main
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)  # no second conversion
+    _users_chroma(tmp_path / "db", passages[:2])
+    argv = ["ingest", "--from-chroma", "user_docs", "--chroma-path", str(tmp_path / "db"), "--home", str(home)]
+
+    assert main([*argv, "--json"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert (report["chunks"], report["new_kv"], report["collection"]) == (2, 2, "user_docs")
+    assert [s["id"] for s in report["skipped"]] == ["doc-3", "doc-4", "doc-5"]
+    assert (home / "kv").is_dir() and not (home / "chroma").exists()  # the user's database is only read
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "0 KV computed, 2 already stored" in out.out and "skipped document doc-5" in out.err
+
+    for bad, code, words in (
+        ([*argv, str(tmp_path)], 2, "no files or folders"),
+        (["ingest", "--chroma-path", str(tmp_path / "db"), "--home", str(home)], 2, "goes with --from-chroma"),
+        ([*argv, "--port", "8000"], 2, "give one of them"),
+        (["ingest", "--home", str(home)], 2, "--from-chroma COLLECTION"),
+        (["ingest", "--from-chroma", "empty_docs", "--chroma-path", str(tmp_path / "db")], 1, "is empty"),
+    ):
+        assert main(bad) == code, bad
+        assert words in capsys.readouterr().err

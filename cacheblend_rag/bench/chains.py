@@ -4,6 +4,14 @@
 - `tutorial`: LangChain's own RAG tutorial chain, `{"context": retriever | format_docs, "question": ...} |
   ChatPromptTemplate(the tutorial's system prompt) | ChatCacheBlend`: no package prompt, no chunk ids; the
   engine finds the passages in the rendered chat (the drop-in path);
+- `stuff_documents`: LangChain's `create_retrieval_chain(retriever, create_stuff_documents_chain(ChatCacheBlend,
+  ChatPromptTemplate))` from `langchain-classic` (the chain the LangChain docs build), the documents stuffed by
+  its own `format_document`/separator; stats come through callbacks (its output parser drops the metadata);
+- `llama_query`: LlamaIndex the standard way — `Settings.llm = CacheBlendLLM(engine)`, the passages as one
+  `TextNode` each in a `VectorStoreIndex` over `ChromaVectorStore` (an in-process Chroma collection, embedded
+  with `LocalEmbedding` before the clock starts), `index.as_query_engine(similarity_top_k=len(passages),
+  streaming=True)` with its default synthesizer; its TTFT includes embedding the query and searching Chroma
+  (the in-memory retriever of the LangChain methods costs nothing); stats from `Response.metadata`;
 - `map_reduce`, `map_rerank`: `create_map_reduce_chain` / `create_map_rerank_chain` on `CacheBlendLLM`;
 - `hf_pipeline`: the stuff chain on langchain-huggingface's `HuggingFacePipeline` over the *same* model object,
   given the engine's prompt decoded to text. The pipeline re-tokenizes that string as a whole, so at a chunk
@@ -20,6 +28,7 @@ from __future__ import annotations
 import time
 
 from ..engine import CacheBlendEngine
+from ..errors import MissingDependencyError
 from ..fuse.layout import assemble
 from .methods import MethodSpec
 
@@ -55,6 +64,9 @@ class ChainRunner:
         self.seed = seed
         self._llms: dict[tuple, object] = {}
         self._hf = None
+        self._chroma = None  # one in-process Chroma for llama_query, a collection per question
+        self._chroma_collections = 0
+        self._embedding = None
 
     # -- LLMs --
 
@@ -96,6 +108,10 @@ class ChainRunner:
         )
 
         docs = [Document(page_content=p) for p in passages]
+        if spec.method == "llama_query":
+            return self.llama_query_engine(spec, passages)
+        if spec.method == "stuff_documents":
+            return self.stuff_documents_chain(RunnableLambda(lambda _query: list(docs), name="passages"), spec)
         if spec.method == "tutorial":
             return self.tutorial_chain(RunnableLambda(lambda _query: list(docs), name="passages"), spec)
         retriever = ChunkIdRetriever(base=RunnableLambda(lambda _query: list(docs), name="passages"))
@@ -109,11 +125,8 @@ class ChainRunner:
                 "map_rerank": create_map_rerank_chain}[spec.method]
         return make(retriever, self.cacheblend_llm(spec))
 
-    def tutorial_chain(self, retriever, spec: MethodSpec):
-        """LangChain's RAG tutorial chain with the user's own prompt, on ChatCacheBlend."""
-        from langchain_core.prompts import ChatPromptTemplate
-        from langchain_core.runnables import RunnablePassthrough
-
+    def chat_model(self, spec: MethodSpec):
+        """A ChatCacheBlend on the shared engine, with the spec's method and ratio."""
         from ..integrations.langchain import ChatCacheBlend
 
         method = str(spec.options.get("method", DEFAULT_CHAIN_METHOD))
@@ -121,7 +134,69 @@ class ChainRunner:
         key = ("chat", method, ratio)
         if key not in self._llms:
             self._llms[key] = ChatCacheBlend(engine=self.engine, method=method, recompute_ratio=ratio,
-                                             max_tokens=self.max_new_tokens)
+                                             max_tokens=self.max_new_tokens, seed=self.seed)
+        return self._llms[key]
+
+    def stuff_documents_chain(self, retriever, spec: MethodSpec):
+        """`create_retrieval_chain(retriever, create_stuff_documents_chain(chat, prompt))`, as LangChain's docs."""
+        try:
+            from langchain_classic.chains import create_retrieval_chain
+            from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+        except ImportError as e:
+            raise MissingDependencyError("the stuff_documents method needs langchain-classic: "
+                                         "pip install 'cacheblend-rag[bench]'") from e
+        from langchain_core.prompts import ChatPromptTemplate
+
+        prompt = ChatPromptTemplate.from_messages([
+            ("system", "Use the given context to answer the question. If you don't know the answer, say you don't "
+                       "know. Use three sentences maximum and keep the answer concise. Context: {context}"),
+            ("human", "{input}"),
+        ])
+        return create_retrieval_chain(retriever, create_stuff_documents_chain(self.chat_model(spec), prompt))
+
+    def llama_query_engine(self, spec: MethodSpec, passages: list[str]):
+        """`Settings.llm = CacheBlendLLM(...)`, a VectorStoreIndex over ChromaVectorStore, `as_query_engine()`."""
+        try:
+            import chromadb
+            from llama_index.core import Settings, StorageContext, VectorStoreIndex
+            from llama_index.core.schema import TextNode
+            from llama_index.vector_stores.chroma import ChromaVectorStore
+
+            from ..integrations.llama_index import CacheBlendLLM, LocalEmbedding
+        except ImportError as e:
+            raise MissingDependencyError("the llama_query method needs llama-index-core and "
+                                         "llama-index-vector-stores-chroma: pip install 'cacheblend-rag[bench]'") from e
+        method = str(spec.options.get("method", DEFAULT_CHAIN_METHOD))
+        ratio = spec.ratio if spec.ratio is not None else DEFAULT_CHAIN_RATIO
+        key = ("llama", method, ratio)
+        if key not in self._llms:
+            self._llms[key] = CacheBlendLLM(engine=self.engine, method=method, recompute_ratio=ratio,
+                                            max_new_tokens=self.max_new_tokens, generate_kwargs={"seed": self.seed})
+        if self._chroma is None:
+            self._chroma = chromadb.EphemeralClient(settings=chromadb.config.Settings(anonymized_telemetry=False))
+        self._chroma_collections += 1  # a fresh collection per question: only its passages can be retrieved
+        collection = self._chroma.create_collection(f"bench_{self._chroma_collections}")
+        store = StorageContext.from_defaults(vector_store=ChromaVectorStore(chroma_collection=collection))
+        # The standard way: Settings, read when the index and its query engine are built (they keep what they
+        # read), then put back so that a process running the bench keeps its own Settings.
+        saved = Settings._llm, Settings._embed_model
+        try:
+            Settings.llm, Settings.embed_model = self._llms[key], self._llama_embedding(LocalEmbedding)
+            index = VectorStoreIndex([TextNode(text=p) for p in passages], storage_context=store)
+            return index.as_query_engine(similarity_top_k=len(passages), streaming=True)
+        finally:
+            Settings._llm, Settings._embed_model = saved
+
+    def _llama_embedding(self, factory):
+        if self._embedding is None:
+            self._embedding = factory()
+        return self._embedding
+
+    def tutorial_chain(self, retriever, spec: MethodSpec):
+        """LangChain's RAG tutorial chain with the user's own prompt, on ChatCacheBlend."""
+        from langchain_core.prompts import ChatPromptTemplate
+        from langchain_core.runnables import RunnablePassthrough
+
         prompt = ChatPromptTemplate.from_messages([
             ("system", "You are an assistant for question-answering tasks. Use the following pieces of retrieved "
                        "context to answer the question. If you don't know the answer, say that you don't know. "
@@ -132,7 +207,7 @@ class ChainRunner:
         def format_docs(docs) -> str:
             return "\n\n".join(d.page_content for d in docs)
 
-        return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | self._llms[key]
+        return {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | self.chat_model(spec)
 
     def _run_chat(self, chain, question: str) -> dict:
         """The tutorial chain: TTFT to the first non-empty message chunk; stats from the message's metadata."""
@@ -147,13 +222,56 @@ class ChainRunner:
         started = time.perf_counter()
         message = chain.invoke(question)
         latency = time.perf_counter() - started
-        stats = message.response_metadata.get("cacheblend", {})
+        return self._record(first, stream_s, latency, message.content, pieces,
+                            message.response_metadata.get("cacheblend", {}))
+
+    def _run_stuff_documents(self, chain, question: str) -> dict:
+        """create_retrieval_chain: TTFT to the first non-empty `answer` piece; stats through callbacks."""
+        from ..integrations.langchain import StatsCallbackHandler
+
+        started = time.perf_counter()
+        first = None
+        pieces: list[str] = []
+        for chunk in chain.stream({"input": question}):
+            piece = chunk.get("answer") or ""
+            if piece and first is None:
+                first = time.perf_counter() - started
+            pieces.append(piece)
+        stream_s = time.perf_counter() - started
+        handler = StatsCallbackHandler()
+        started = time.perf_counter()
+        answer = chain.invoke({"input": question}, config={"callbacks": [handler]})["answer"]
+        latency = time.perf_counter() - started
+        return self._record(first, stream_s, latency, answer, pieces, handler.last or {})
+
+    def _run_llama(self, query_engine, question: str) -> dict:
+        """LlamaIndex query engine: TTFT to the first non-empty streamed piece; stats from Response.metadata."""
+        started = time.perf_counter()
+        first = None
+        response = query_engine.query(question)
+        pieces: list[str] = []
+        for piece in response.response_gen:
+            if piece and first is None:
+                first = time.perf_counter() - started
+            pieces.append(piece)
+        stream_s = time.perf_counter() - started
+        started = time.perf_counter()
+        again = query_engine.query(question)
+        answer = "".join(again.response_gen)
+        latency = time.perf_counter() - started
+        return self._record(first, stream_s, latency, answer, pieces, again.metadata.get("cacheblend", {}))
+
+    @staticmethod
+    def _record(first: float | None, stream_s: float, latency: float, answer: str, pieces: list[str],
+                stats: dict) -> dict:
+        """A one-LLM-call chain's record from its timings and the package's stats of that call."""
         return {
             "kind": "chain", "ttft_kind": "first_stream_chunk",
             "ttft_s": first if first is not None else stream_s, "stream_s": stream_s, "latency_s": latency,
-            "answer": str(message.content).strip(), "stream_answer": "".join(pieces).strip(),
+            "answer": str(answer).strip(), "stream_answer": "".join(pieces).strip(),
             "recompute_ratio_effective": stats.get("recompute_ratio_effective"), "kv_bytes_loaded": None,
-            "num_tokens": stats.get("num_tokens"), "llm_calls": 1, "engine_ttft_s": stats.get("ttft_s"),
+            "num_tokens": stats.get("num_tokens"), "llm_calls": stats.get("calls", 1),
+            "engine_ttft_s": stats.get("ttft_s"),
             "chunk_hits": len(stats.get("chunk_hits", ())), "chunk_misses": len(stats.get("chunk_misses", ())),
         }
 
@@ -164,6 +282,10 @@ class ChainRunner:
         chain = self.chain(spec, passages)
         if spec.method == "tutorial":
             return self._run_chat(chain, question)
+        if spec.method == "stuff_documents":
+            return self._run_stuff_documents(chain, question)
+        if spec.method == "llama_query":
+            return self._run_llama(chain, question)
         started = time.perf_counter()
         first = None
         pieces: list[str] = []
@@ -197,3 +319,27 @@ class ChainRunner:
             record.update(llm_calls=1, num_tokens=len(seen), engine_num_tokens=len(ids),
                           same_tokens=list(seen) == list(ids))
         return record
+
+
+def ttft_ratios(summary: dict[str, dict], records: list[dict], engine_label: str | None = None) -> str:
+    """A markdown table of each chain's TTFT median over `stuff`'s and over the engine's (the first CacheBlend
+    engine method, or `engine_label`), with its mean chunk hits and misses per question: the figures the drop-in
+    promise is judged by (a chain within 1.2x of `stuff`)."""
+    chains = [label for label, s in summary.items() if s.get("kind") == "chain"]
+    if not chains:
+        return ""
+    if engine_label is None:
+        engine_label = next((label for label, s in summary.items()
+                             if s.get("kind") != "chain" and label.startswith("cacheblend")), None)
+    stuff = summary.get("stuff", {}).get("ttft_median_s")
+    engine = summary.get(engine_label, {}).get("ttft_median_s") if engine_label else None
+    lines = [f"| chain | TTFT median (s) | x stuff | x engine ({engine_label or 'none'}) | chunk hits / misses |",
+             "|---|---|---|---|---|"]
+    for label in chains:
+        med = summary[label]["ttft_median_s"]
+        rows = [r for r in records if r["method"] == label and r.get("chunk_hits") is not None]
+        counts = (f"{sum(r['chunk_hits'] for r in rows) / len(rows):.1f} / "
+                  f"{sum(r['chunk_misses'] for r in rows) / len(rows):.1f}") if rows else "-"
+        lines.append(f"| {label} | {med:.3f} | {f'{med / stuff:.2f}' if stuff else '-'} | "
+                     f"{f'{med / engine:.2f}' if engine else '-'} | {counts} |")
+    return "\n".join(lines)

@@ -182,6 +182,9 @@ def _benchmark(args: argparse.Namespace, dataset: Path) -> dict:
     print(f"ingestion: {ing['tokens']} tokens in {ing['seconds']:.1f} s"
           + (f" ({ing['tokens_per_s']:.0f} tokens/s)" if ing["tokens_per_s"] else ""))
     print(format_table(result["summary"]))
+    from .chains import ttft_ratios
+
+    print(ttft_ratios(result["summary"], result["records"]))
     if result["throughput"]:
         print(format_load_table(result["throughput"]))
     if args.out:

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from ..fuse.policies import METHODS
 
 ENGINE_METHODS = tuple(METHODS)
-CHAIN_METHODS = ("stuff", "tutorial", "map_reduce", "map_rerank", "hf_pipeline")
+CHAIN_METHODS = ("stuff", "tutorial", "stuff_documents", "llama_query", "map_reduce", "map_rerank", "hf_pipeline")
+OPTIONAL_CHAINS = {"hf_pipeline": "langchain-huggingface", "stuff_documents": "langchain-classic",
+                   "llama_query": "llama-index-vector-stores-chroma"}
+"""Chain methods that need a package beyond the `langchain` extra (run only when named, or hf_pipeline when
+installed), and that package."""
 SWEEP_METHODS = ("full_prefill", "full_reuse", "cacheblend")
 DEFAULT_RATIOS = (0.05, 0.15, 0.30)
 SWEEP_RATIOS = (0.05, 0.10, 0.15, 0.20, 0.30, 0.50, 0.75, 1.0)
@@ -28,7 +32,8 @@ class MethodSpec:
         """'cacheblend@0.15' → CacheBlend at 0.15; options follow as '/key=value' pairs.
 
         e.g. 'cacheblend@0.15/deviation=k/check_layers=1+2/candidate_factor=2/filter_layer=4' (tuples join with '+').
-        Chains ('stuff', 'map_reduce', 'map_rerank') run CacheBlendLLM at cacheblend@0.15 unless told:
+        Chains ('stuff', 'tutorial', 'stuff_documents', 'llama_query', 'map_reduce', 'map_rerank') run at
+        cacheblend@0.15 unless told:
         'map_reduce@0.3', 'stuff/method=full_prefill'.
         """
         head, *opts = text.strip().split("/")
@@ -64,7 +69,7 @@ def parse_methods(text: str | None, ratios: tuple[float, ...] = DEFAULT_RATIOS, 
     """Method specs from '--methods'; a bare 'cacheblend' expands to one spec per ratio; full prefill first.
 
     With no text: every engine method, CacheBlend at each ratio, then (with `chains`) the chains, and
-    hf_pipeline when available; with `sweep`: full prefill, full reuse and CacheBlend at each ratio.
+    hf_pipeline when available (`stuff_documents` and `llama_query` run when named); with `sweep`: full prefill, full reuse and CacheBlend at each ratio.
     """
     if text:
         names = [m for m in text.split(",") if m.strip()]
@@ -73,7 +78,7 @@ def parse_methods(text: str | None, ratios: tuple[float, ...] = DEFAULT_RATIOS, 
     else:
         names = list(ENGINE_METHODS)
         if chains:
-            names += [c for c in CHAIN_METHODS if c != "hf_pipeline" or hf_available]
+            names += [c for c in CHAIN_METHODS if c not in OPTIONAL_CHAINS or (c == "hf_pipeline" and hf_available)]
     specs: list[MethodSpec] = []
     for name in names:
         head, sep, rest = name.strip().partition("/")

@@ -66,7 +66,8 @@ class ChromaChunkStore:
     Embedded by default (`chromadb.PersistentClient` at `settings.chroma_dir(home)`, or `path`); with
     `host`/`port` it talks to a Chroma server instead (`token`, `ssl`, `ca_bundle` default to the
     `CACHEBLEND_RAG_CHROMA_*` environment variables). `create=False` opens an existing collection only
-    (a missing one is a `VectorStoreError` listing those that exist).
+    (a missing one is a `VectorStoreError` listing those that exist). `own_embeddings=False` opens a collection
+    someone else made as it is, without our embedding function, for reading its documents (`warm_from_chroma`).
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class ChromaChunkStore:
         ssl: bool | None = None,
         ca_bundle: str | os.PathLike[str] | None = None,
         create: bool = True,
+        own_embeddings: bool = True,
     ) -> None:
         try:
             import chromadb
@@ -106,6 +108,7 @@ class ChromaChunkStore:
             options["chroma_server_ssl_verify"] = ca
         client_settings = Settings(**options)
         self.collection_name = collection
+        self._own_embeddings = own_embeddings
         try:
             if remote:
                 host = host or "localhost"
@@ -147,7 +150,9 @@ class ChromaChunkStore:
                 f"no collection {self.collection_name!r} in Chroma at {self.location} (collections: {listed}); "
                 "run `cacheblend-rag ingest PATH` with the same --home/--collection first"
             )
-        return self.client.get_collection(name=self.collection_name, embedding_function=_embedding_function())
+        # A collection made elsewhere keeps its own embedding function: we only read its documents.
+        function = _embedding_function() if self._own_embeddings else None
+        return self.client.get_collection(name=self.collection_name, embedding_function=function)
 
     def count(self) -> int:
         """Number of stored chunks."""

@@ -1,13 +1,18 @@
-"""What the LangChain LLM and chat model share: per-call settings, stats, the lazily built engine."""
+"""What the LangChain LLM and chat model share: their engine fields, per-call settings, stats."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
+from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import METHODS
+from cacheblend_rag.models.loader import DEFAULT_MODEL
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from typing_extensions import Self
 
 STATS_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed",
               "recompute_ratio_effective", "ttft_s", "num_generated", "recompute_ratio")
@@ -81,3 +86,93 @@ def close_stream(pieces: Any) -> None:
     close = getattr(pieces, "close", None)
     if close is not None:
         close()
+
+
+class EngineFields(BaseModel):
+    """The fields, the lazily built engine and the tokenizer that `ChatCacheBlend` and `CacheBlendLLM` share.
+
+    A mixin placed before the LangChain base class; each subclass adds its own token budget field
+    (`max_tokens` / `max_new_tokens`, aliases of each other).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True, extra="forbid")
+
+    engine: Any = Field(default=None, exclude=True)
+    """A ready `CacheBlendEngine`; when None one is built on first use from `model`, `kv_store` and `home`."""
+    model: str = DEFAULT_MODEL
+    """Packaged model alias or local model folder; with `engine`, the engine's own model name replaces it."""
+    kv_store: str | None = None
+    """KV store folder for a lazily built engine (None: in memory; `~` is expanded)."""
+    home: str | None = None
+    """Package home for a lazily built engine (converted models); None: $CACHEBLEND_RAG_HOME or the default."""
+    device: str = "auto"
+    """Device of a lazily built engine."""
+    dtype: str = "auto"
+    """Dtype of a lazily built engine."""
+    method: str = "cacheblend"
+    """Prefill method: full_prefill, prefix_cache, full_reuse or cacheblend."""
+    recompute_ratio: float = 0.15
+    """Share of reused chunk tokens recomputed per layer (cacheblend only)."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (with temperature > 0)."""
+    seed: int | None = None
+    """Sampling seed."""
+    stop: list[str] | None = None
+    """Stop strings used when a call passes none (generation ends before the first one)."""
+
+    _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
+
+    @field_validator("method")
+    @classmethod
+    def _check_method(cls, value: str) -> str:
+        if value not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {value!r}")
+        return value
+
+    @field_validator("recompute_ratio")
+    @classmethod
+    def _check_ratio(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"recompute_ratio must be within [0, 1], got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _name_from_engine(self) -> Self:
+        if self.engine is not None:
+            self.model = self.engine.model_name  # what the engine really holds, never a default alias
+        self.kv_store = expand_path(self.kv_store)
+        return self
+
+    @classmethod
+    def from_model_id(cls, model: str = DEFAULT_MODEL, kv_store: str | None = None, **kwargs: Any) -> Self:
+        """Load the model now (instead of on first use) and wrap it."""
+        wrapper = cls(model=model, kv_store=kv_store, **kwargs)
+        wrapper.get_engine()
+        return wrapper
+
+    def get_engine(self) -> CacheBlendEngine:
+        """The engine, built on first use when none was given."""
+        if self.engine is None:
+            with self._build_lock:
+                if self.engine is None:
+                    self.engine = CacheBlendEngine.from_pretrained(
+                        self.model, kv_store=self.kv_store, device=self.device, dtype=self.dtype, home=self.home
+                    )
+        return self.engine
+
+    @property
+    def model_name(self) -> str:
+        """The engine's model name (the `model` field until a lazily built engine exists)."""
+        return self.engine.model_name if self.engine is not None else self.model
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids from the model's own tokenizer (the default would fetch GPT-2 from a hub)."""
+        return self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _identifying_fields(self) -> dict[str, Any]:
+        """What identifies a generation's settings (an LLM cache key), besides the token budget."""
+        return {"model_name": self.get_engine().model_name, "method": self.method,
+                "recompute_ratio": self.recompute_ratio, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed}

@@ -7,14 +7,11 @@ prompt, template or separators the user's chain put around the chunks.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import METHODS
-from cacheblend_rag.models.loader import DEFAULT_MODEL
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import (
@@ -26,9 +23,9 @@ from langchain_core.messages import (
     SystemMessage,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AliasChoices, ConfigDict, Field
 
-from ._common import call_settings, check_call_kwargs, close_stream, expand_path, stats_info, usage
+from ._common import EngineFields, call_settings, check_call_kwargs, close_stream, stats_info, usage
 
 __all__ = ["ChatCacheBlend", "to_chat_messages"]
 
@@ -69,7 +66,7 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return out
 
 
-class ChatCacheBlend(BaseChatModel):
+class ChatCacheBlend(EngineFields, BaseChatModel):
     """A LangChain chat model over a `CacheBlendEngine`: retrieved chunks in the messages reuse their cached KV.
 
     Drop-in for `ChatHuggingFace`: keep your own `ChatPromptTemplate` (system prompt included). Stats of each
@@ -88,79 +85,10 @@ class ChatCacheBlend(BaseChatModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True, extra="forbid")
 
-    engine: Any = Field(default=None, exclude=True)
-    """A ready `CacheBlendEngine`; when None one is built on first use from `model`, `kv_store` and `home`."""
-    model: str = DEFAULT_MODEL
-    """Packaged model alias or local model folder; with `engine`, the engine's own model name replaces it."""
-    kv_store: str | None = None
-    """KV store folder for a lazily built engine (None: in memory; `~` is expanded)."""
-    home: str | None = None
-    """Package home for a lazily built engine (converted models); None: $CACHEBLEND_RAG_HOME or the default."""
-    device: str = "auto"
-    """Device of a lazily built engine."""
-    dtype: str = "auto"
-    """Dtype of a lazily built engine."""
-    method: str = "cacheblend"
-    """Prefill method: full_prefill, prefix_cache, full_reuse or cacheblend."""
-    recompute_ratio: float = 0.15
-    """Share of reused chunk tokens recomputed per layer (cacheblend only)."""
     max_tokens: int = Field(default=256, ge=1, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     """Most tokens to generate (alias `max_new_tokens`)."""
-    temperature: float = 0.0
-    """Sampling temperature; 0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (with temperature > 0)."""
-    seed: int | None = None
-    """Sampling seed."""
-    stop: list[str] | None = None
-    """Stop strings used when a call passes none (generation ends before the first one)."""
     streaming: bool = False
     """Whether `invoke` streams internally (callbacks see each token)."""
-
-    _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
-
-    @field_validator("method")
-    @classmethod
-    def _check_method(cls, value: str) -> str:
-        if value not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {value!r}")
-        return value
-
-    @field_validator("recompute_ratio")
-    @classmethod
-    def _check_ratio(cls, value: float) -> float:
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"recompute_ratio must be within [0, 1], got {value}")
-        return value
-
-    @model_validator(mode="after")
-    def _name_from_engine(self) -> "ChatCacheBlend":
-        if self.engine is not None:
-            self.model = self.engine.model_name  # what the engine really holds, never a default alias
-        self.kv_store = expand_path(self.kv_store)
-        return self
-
-    @classmethod
-    def from_model_id(cls, model: str = DEFAULT_MODEL, kv_store: str | None = None, **kwargs: Any) -> "ChatCacheBlend":
-        """Load the model now (instead of on first use) and wrap it."""
-        chat = cls(model=model, kv_store=kv_store, **kwargs)
-        chat.get_engine()
-        return chat
-
-    def get_engine(self) -> CacheBlendEngine:
-        """The engine, built on first use when none was given."""
-        if self.engine is None:
-            with self._build_lock:
-                if self.engine is None:
-                    self.engine = CacheBlendEngine.from_pretrained(
-                        self.model, kv_store=self.kv_store, device=self.device, dtype=self.dtype, home=self.home
-                    )
-        return self.engine
-
-    @property
-    def model_name(self) -> str:
-        """The engine's model name (the `model` field until a lazily built engine exists)."""
-        return self.engine.model_name if self.engine is not None else self.model
 
     @property
     def _llm_type(self) -> str:
@@ -168,9 +96,7 @@ class ChatCacheBlend(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.get_engine().model_name, "method": self.method,
-                "recompute_ratio": self.recompute_ratio, "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        return {**self._identifying_fields(), "max_tokens": self.max_tokens}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -183,10 +109,6 @@ class ChatCacheBlend(BaseChatModel):
         if stop:
             params["ls_stop"] = stop
         return params
-
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids from the model's own tokenizer (the default would fetch GPT-2 from a hub)."""
-        return self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
         """Prompt tokens of these messages as the model's chat template renders them."""

@@ -15,16 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.fuse.policies import METHODS
 from cacheblend_rag.ingest.chunks import Chunk, chunk_id, looks_like_chunk_id
-from cacheblend_rag.models.loader import DEFAULT_MODEL
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM, LanguageModelInput
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
-from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ._common import call_settings, check_call_kwargs, close_stream as _close, expand_path, stats_info
+from ._common import EngineFields, call_settings, check_call_kwargs, close_stream as _close, stats_info
 from .prompts import CacheBlendPromptValue
 
 __all__ = ["CacheBlendLLM"]
@@ -57,7 +55,7 @@ class _RecentPrompts:
             return self._items.get(text)
 
 
-class CacheBlendLLM(BaseLLM):
+class CacheBlendLLM(EngineFields, BaseLLM):
     """A LangChain LLM over a `CacheBlendEngine`: any prompt's stored chunks are answered from their cached KV.
 
     Drop-in for `HuggingFacePipeline`: keep your own `PromptTemplate`; chunks that appear in the prompt verbatim
@@ -75,88 +73,16 @@ class CacheBlendLLM(BaseLLM):
 
     model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True, extra="forbid")
 
-    engine: Any = Field(default=None, exclude=True)
-    """A ready `CacheBlendEngine`; when None one is built on first use from `model`, `kv_store` and `home`."""
-    model: str = DEFAULT_MODEL
-    """Packaged model alias or local model folder; with `engine`, the engine's own model name replaces it."""
-    kv_store: str | None = None
-    """KV store folder for a lazily built engine (None: in memory; `~` is expanded)."""
-    home: str | None = None
-    """Package home for a lazily built engine (converted models); None: $CACHEBLEND_RAG_HOME or the default."""
-    device: str = "auto"
-    """Device of a lazily built engine."""
-    dtype: str = "auto"
-    """Dtype of a lazily built engine."""
-    method: str = "cacheblend"
-    """Prefill method: full_prefill, prefix_cache, full_reuse or cacheblend."""
-    recompute_ratio: float = 0.15
-    """Share of reused chunk tokens recomputed per layer (cacheblend only)."""
     max_new_tokens: int = Field(default=64, ge=1, validation_alias=AliasChoices("max_new_tokens", "max_tokens"))
     """Most tokens to generate (alias `max_tokens`)."""
-    temperature: float = 0.0
-    """Sampling temperature; 0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (with temperature > 0)."""
-    seed: int | None = None
-    """Sampling seed."""
-    stop: list[str] | None = None
-    """Stop strings used when a call passes none (generation ends before the first one)."""
-
     _recent: _RecentPrompts = PrivateAttr(default_factory=_RecentPrompts)
-    _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
-
-    @field_validator("method")
-    @classmethod
-    def _check_method(cls, value: str) -> str:
-        if value not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {value!r}")
-        return value
-
-    @field_validator("recompute_ratio")
-    @classmethod
-    def _check_ratio(cls, value: float) -> float:
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"recompute_ratio must be within [0, 1], got {value}")
-        return value
-
-    @model_validator(mode="after")
-    def _name_from_engine(self) -> "CacheBlendLLM":
-        if self.engine is not None:
-            self.model = self.engine.model_name  # what the engine really holds, never a default alias
-        self.kv_store = expand_path(self.kv_store)
-        return self
-
-    @classmethod
-    def from_model_id(cls, model: str = DEFAULT_MODEL, kv_store: str | None = None, **kwargs: Any) -> "CacheBlendLLM":
-        """Load the model now (instead of on first use) and wrap it."""
-        llm = cls(model=model, kv_store=kv_store, **kwargs)
-        llm.get_engine()
-        return llm
-
-    def get_engine(self) -> CacheBlendEngine:
-        """The engine, built on first use when none was given."""
-        if self.engine is None:
-            with self._build_lock:
-                if self.engine is None:
-                    self.engine = CacheBlendEngine.from_pretrained(
-                        self.model, kv_store=self.kv_store, device=self.device, dtype=self.dtype, home=self.home
-                    )
-        return self.engine
-
-    @property
-    def model_name(self) -> str:
-        """The engine's model name (the `model` field until a lazily built engine exists)."""
-        return self.engine.model_name if self.engine is not None else self.model
-
     @property
     def _llm_type(self) -> str:
         return "cacheblend"
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.get_engine().model_name, "method": self.method,
-                "recompute_ratio": self.recompute_ratio, "max_new_tokens": self.max_new_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        return {**self._identifying_fields(), "max_new_tokens": self.max_new_tokens}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -164,10 +90,6 @@ class CacheBlendLLM(BaseLLM):
                       ls_max_tokens=kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)),
                       ls_temperature=kwargs.get("temperature", self.temperature))
         return params
-
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids from the model's own tokenizer (the default would fetch GPT-2 from a hub)."""
-        return self.get_engine().tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # -- keeping the prompt value: every BaseLLM entry point converts its input here first --
 

@@ -242,3 +242,41 @@ def test_chat_tutorial_example_runs(tmp_path):
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "A: " in out.stdout and "chunk hits" in out.stdout and "input_tokens" in out.stdout
+
+
+def test_warm_from_vectorstore_gives_the_tutorial_chain_hits(engine, embeddings, tmp_path):
+    """A user's own langchain-chroma store: warming its documents turns the tutorial chain's misses into hits."""
+    from langchain_chroma import Chroma
+
+    from langchain_cacheblend import warm_from_vectorstore
+
+    texts = [(DATA / name).read_text() for name in ("07_senses.txt", "04_honey.txt")]
+    store = Chroma("users_own", embedding_function=embeddings, persist_directory=str(tmp_path / "db"))
+    store.add_texts(texts, ids=["senses", "honey"])  # the user's ids, not chunk ids
+    fresh = CacheBlendEngine(engine.model, engine.tokenizer, None)  # nothing stored yet
+    prompt = ChatPromptTemplate.from_messages([("system", "Context:\n{context}"), ("human", "{question}")])
+    chain = ({"context": store.as_retriever(search_kwargs={"k": 2}) | format_docs, "question": lambda q: q}
+             | prompt | ChatCacheBlend(engine=fresh, max_tokens=1))
+    assert chain.invoke(QUESTION).response_metadata["cacheblend"]["chunk_hits"] == []
+
+    chat = ChatCacheBlend(engine=fresh)
+    report = warm_from_vectorstore(chat, store.as_retriever())  # a retriever's store, a chat model's engine
+    assert (report.documents, report.new_kv, report.skipped) == (2, 2, ())
+    assert sorted(chain.invoke(QUESTION).response_metadata["cacheblend"]["chunk_hits"]) == sorted(map(chunk_id, texts))
+    assert warm_from_vectorstore(fresh, store, ids=["honey"]).already_stored == 1
+    with pytest.raises(ConfigError, match="CacheBlendEngine"):
+        warm_from_vectorstore("engine", store)
+
+
+def test_create_stuff_documents_chain_hits_warm_chunks(chroma, engine):
+    """LangChain's own create_retrieval_chain + create_stuff_documents_chain (langchain-classic), unchanged."""
+    from langchain_classic.chains import create_retrieval_chain
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+
+    prompt = ChatPromptTemplate.from_messages([("system", "Answer from the context.\n\n{context}"), ("human", "{input}")])
+    chain = create_retrieval_chain(ChromaRetriever(store=chroma, k=2),
+                                   create_stuff_documents_chain(ChatCacheBlend(engine=engine, max_tokens=2), prompt))
+    stats = StatsCallbackHandler()
+    out = chain.invoke({"input": QUESTION}, config={"callbacks": [stats]})
+    assert out["answer"] and sorted(stats.last["chunk_hits"]) == sorted(d.id for d in out["context"])
+    assert stats.last["per_chunk"] == {d.id: "hit" for d in out["context"]}

@@ -16,7 +16,7 @@ DATA = Path(__file__).resolve().parents[3] / "examples" / "data"
 
 pytestmark = pytest.mark.model
 
-MODULES = ["callbacks", "chains", "chat_models", "llms", "prompts", "retrievers"]
+MODULES = ["callbacks", "chains", "chat_models", "llms", "prompts", "retrievers", "warm"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -133,3 +133,31 @@ def test_async_streaming_query_stats(chroma_index, settings_llm):
 
     text, stats = asyncio.run(run())
     assert text.strip() and stats["num_generated"] >= 1
+
+
+def test_warm_from_index_gives_a_users_chroma_index_hits(folder, li_engine, tmp_path):
+    """A user's own index (LlamaIndex's default splitter, ChromaVectorStore, no docstore): warming its nodes turns
+    the standard query engine's misses into hits."""
+    from cacheblend_rag import CacheBlendEngine
+    from llama_index.llms.cacheblend import warm_from_index
+
+    collection = chromadb.PersistentClient(path=str(tmp_path)).get_or_create_collection("users_own")
+    storage = StorageContext.from_defaults(vector_store=ChromaVectorStore(chroma_collection=collection))
+    index = VectorStoreIndex.from_documents(SimpleDirectoryReader(str(folder)).load_data(), storage_context=storage,
+                                            embed_model=LocalEmbedding())
+    saved = Settings._llm, Settings._embed_model
+    try:
+        fresh = CacheBlendEngine(li_engine.model, li_engine.tokenizer, None)  # nothing stored yet
+        Settings.llm, Settings.embed_model = CacheBlendLLM(engine=fresh, max_new_tokens=1), LocalEmbedding()
+        qe = index.as_query_engine(similarity_top_k=2)
+        assert qe.query(QUESTION).metadata["cacheblend"]["chunk_hits"] == []
+
+        report = warm_from_index(index)  # Settings.llm's engine; the nodes come from the ChromaVectorStore
+        assert report.new_kv == report.chunks == collection.count() - len(report.skipped) > 0
+        assert all("empty" in s.reason for s in report.skipped)  # the folder's empty file, if it made a node
+        response = qe.query(QUESTION)
+        hits = response.metadata["cacheblend"]["chunk_hits"]
+        assert len(hits) == 2 and sorted(hits) == sorted(chunk_id(n.node.text) for n in response.source_nodes)
+        assert warm_from_index(index.vector_store, fresh).already_stored == report.chunks
+    finally:
+        Settings._llm, Settings._embed_model = saved

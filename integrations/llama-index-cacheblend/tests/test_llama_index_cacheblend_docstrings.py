@@ -15,7 +15,7 @@ import llama_index.postprocessor.cacheblend as postprocessor
 pytestmark = pytest.mark.model
 
 MODULES = ["llama_index.llms.cacheblend.base", "llama_index.llms.cacheblend.indexing",
-           "llama_index.llms.cacheblend.synthesizer",
+           "llama_index.llms.cacheblend.synthesizer", "llama_index.llms.cacheblend.warm",
            "llama_index.postprocessor.cacheblend.base"]
 
 

@@ -10,8 +10,10 @@ from llama_index.llms.cacheblend.indexing import (
     node_text,
 )
 from llama_index.llms.cacheblend.synthesizer import CacheBlendSynthesizer, as_query_engine
+from llama_index.llms.cacheblend.warm import iter_index_nodes, warm_from_index
 
 __all__ = [
     "CacheBlendLLM", "CacheBlendSynthesizer", "ChunkIdTransform", "LocalEmbedding", "QueryStatsHandler",
-    "as_query_engine", "build_index", "install_query_stats_handler", "load_documents", "node_chunk_id", "node_text",
+    "as_query_engine", "build_index", "install_query_stats_handler", "iter_index_nodes", "load_documents", "node_chunk_id",
+    "node_text", "warm_from_index",
 ]
