@@ -50,6 +50,66 @@ class TierProfile:
         return num_bytes / self.read_bytes_per_s if self.read_bytes_per_s > 0 else float("inf")
 
 
+@dataclass(frozen=True)
+class CodecProfile:
+    """Size and decode speed of one KV codec on this machine (speeds in fp16-equivalent bytes: the same work unit
+    for every codec, so a tier's fetch time is `fp16_bytes * size_ratio / read + fp16_bytes / decode`)."""
+
+    name: str
+    size_ratio: float  # stored bytes / fp16 bytes
+    decode_bytes_per_s: float  # fp16-equivalent bytes decoded per second (one layer at a time)
+
+    def fetch_time(self, fp16_bytes: float, tier: TierProfile) -> float:
+        """Seconds to read `fp16_bytes` worth of KV stored with this codec from `tier` and decode it."""
+        decode = fp16_bytes / self.decode_bytes_per_s if self.decode_bytes_per_s > 0 else float("inf")
+        return tier.load_time(int(fp16_bytes * self.size_ratio)) + decode
+
+
+def synthetic_kv(num_layers: int = 4, num_tokens: int = 512, num_kv_heads: int = 3, head_dim: int = 64,
+                 seed: int = 0):
+    """A seeded KV with what real keys have (per-channel offsets, a few outlier channels) for codec probes."""
+    from ..store.base import ChunkKV
+
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = [], []
+    for _ in range(num_layers):
+        offset = torch.randn(1, num_kv_heads, head_dim, generator=gen) * 2
+        offset[..., :4] *= 4  # outlier channels, as pre-RoPE keys have
+        keys.append(offset + torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen))
+        values.append(torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 0.5)
+    return ChunkKV(tuple(keys), tuple(values), torch.zeros(num_tokens, dtype=torch.int64))
+
+
+def measure_codec(name: str, kvs=None, repeats: int = 2) -> CodecProfile:
+    """Size ratio and per-layer decode speed of codec `name` on `kvs` (ChunkKVs; default: synthetic_kv())."""
+    from ..store.codecs import encode_chunk, get_codec, layer_nbytes
+
+    kvs = kvs if kvs is not None else [synthetic_kv()]
+    codec = get_codec(name)
+    stored = fp16 = 0
+    decode_s = 0.0
+    for kv in kvs:
+        layers = encode_chunk(codec, kv)
+        stored += sum(layer_nbytes(t) for t in layers)
+        fp16 += sum(2 * (k.numel() + v.numel()) for k, v in zip(kv.keys, kv.values))
+        k0, v0 = kv.keys[0], kv.values[0]
+        shape = dict(num_tokens=kv.num_tokens, num_kv_heads=k0.shape[1], head_dim=k0.shape[2],
+                     v_head_dim=v0.shape[2], num_layers=kv.num_layers, dtype=k0.dtype)
+        best = float("inf")
+        for _ in range(repeats):  # the best of a few: the least disturbed by other load
+            started = time.perf_counter()
+            for i, t in enumerate(layers):
+                codec.decode_layer(t, layer=i, **shape)
+            best = min(best, time.perf_counter() - started)
+        decode_s += best
+    return CodecProfile(name, stored / fp16, fp16 / max(decode_s, 1e-9))
+
+
+def measure_codecs(names=("fp16", "int8", "cachegen"), kvs=None) -> dict[str, CodecProfile]:
+    """measure_codec for each name."""
+    return {name: measure_codec(name, kvs) for name in names}
+
+
 def drop_page_cache(paths) -> int:
     """Ask the OS to drop cached pages of these files (posix_fadvise DONTNEED); returns how many it could."""
     dropped = 0
