@@ -8,16 +8,20 @@ with a full prefill, as the loading benchmark does.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
+import sys
 import statistics
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..store import KVKey
 from ..store.base import ChunkKV
-from ..store.codecs import MEASUREMENT_HEADER, decode_chunk, encode_chunk, get_codec, layer_nbytes, measure_codec
+from ..store.codecs import GROUP_SPEED_HEADER, MEASUREMENT_HEADER, decode_chunk, encode_chunk, get_codec, layer_nbytes, measure_codec
 from .datasets import load_dataset, passages_of, resolve_dataset
 from .metrics import first_token_kl, token_f1
 
@@ -32,14 +36,18 @@ DEFAULT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("cachegen", {}),
     ("cachegen", {"key_bits": "8,6,5", "value_bits": "6,5,4"}),
     ("cachegen", {"key_bits": "6,5,5", "value_bits": "6,5,4"}),
+    ("cachegen", {"key_bits": "6,5,5", "value_bits": "5,4,4"}),
     ("cachegen", {"key_bits": "6,5,4", "value_bits": "5,4,3"}),
-    ("cachegen", {"key_bits": "5,4,4", "value_bits": "5,4,4"}),  # LMCache-like: 32 bins shallow, 16 deeper
+    ("cachegen", {"key_bits": "5,4,4", "value_bits": "5,4,4"}),
+    # LMCache's scheme: per-token absmax, 32 bins (5 bits) for the shallow third of the keys, 16 (4 bits) deeper;
+    # values 32 bins for the first 2 layers only (here: the shallow third), 16 after
+    ("cachegen", {"key_bits": "5,4,4", "value_bits": "5,4,4", "key_axis": "token", "value_axis": "token"}),
+    ("cachegen", {"value_axis": "token"}),
     ("cachegen", {"key_bits": "6,4,3", "value_bits": "5,3,3"}),
     ("cachegen", {"key_bits": "5,4,3", "value_bits": "4,3,3"}),
     ("cachegen", {"key_bits": "4,3,3", "value_bits": "4,3,3"}),
     ("cachegen", {"group_size": 10}),
     ("cachegen", {"group_size": 64}),
-    ("cachegen", {"value_axis": "token"}),
 ]
 
 
@@ -70,8 +78,28 @@ def setting_label(name: str, params: dict[str, Any]) -> str:
     return f"{name} " + " ".join(f"{k}={v}" for k, v in params.items())
 
 
+@dataclass
+class _RoundTrip:
+    kv: ChunkKV
+    nbytes: int
+    num_tokens: int
+
+
+def _round_trip(codec, kv: ChunkKV, dtype: torch.dtype, *, with_bytes: bool) -> _RoundTrip:
+    """`kv` through `codec` (encode, decode to `dtype`) and its stored bytes; without bytes, a codec's lossless-free
+    `reconstruct_layer` (cachegen's quantization without the range coder, bit-identical) is used when it has one."""
+    reconstruct = getattr(codec, "reconstruct_layer", None)
+    if with_bytes or reconstruct is None:
+        layers = encode_chunk(codec, kv)
+        return _RoundTrip(decode_chunk(codec, layers, kv, dtype), sum(layer_nbytes(t) for t in layers), kv.num_tokens)
+    pairs = [reconstruct(k, v, i, kv.num_layers, dtype) for i, (k, v) in enumerate(zip(kv.keys, kv.values))]
+    out = ChunkKV(tuple(k for k, _ in pairs), tuple(v for _, v in pairs), kv.token_ids, kv.positions_start)
+    return _RoundTrip(out, 0, kv.num_tokens)
+
+
 def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str, Any]]], *, num_chunks: int = 6,
-                  recompute_ratio: float = 0.15, max_new_tokens: int = 32) -> dict[str, dict[str, list[float]]]:
+                  recompute_ratio: float = 0.15, max_new_tokens: int = 32,
+                  on_question=None, with_bytes: bool = True) -> dict[str, dict[str, list[float]]]:
     """Per setting and question: first-token KL(full prefill ‖ cacheblend over codec-round-tripped KV), greedy
     answer agreement (token F1 with the full prefill's answer), first-token match and stored bytes per token.
 
@@ -90,10 +118,10 @@ def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str,
             for key, kv in zip(keys, originals):
                 if name != "none":
                     codec = get_codec(name, **params)
-                    layers = encode_chunk(codec, kv)
-                    nbytes += sum(layer_nbytes(t) for t in layers)
+                    kv = _round_trip(codec, kv, dtype, with_bytes=with_bytes)
+                    nbytes += kv.nbytes if with_bytes else 0
                     tokens += kv.num_tokens
-                    kv = decode_chunk(codec, layers, kv, dtype).to(engine.adapter.device)
+                    kv = kv.kv.to(engine.adapter.device)
                 engine.kv_store.put(key, kv)
             gen = engine.generate(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio,
                                   max_new_tokens=max_new_tokens)
@@ -101,10 +129,11 @@ def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str,
             rec["kl"].append(max(0.0, first_token_kl(full.logits, gen.logits)))
             rec["agreement"].append(token_f1(gen.text, full.text))
             rec["match"].append(float(int(gen.logits.argmax()) == int(full.logits.argmax())))
-            rec["bpt"].append(nbytes / tokens if tokens else float("nan"))
+            rec["bpt"].append(nbytes / tokens if tokens and nbytes else float("nan"))
         for key, kv in zip(keys, originals):
             engine.kv_store.put(key, kv)
-        logger.info("question %d done", len(next(iter(out.values()))["kl"]))
+        if on_question is not None:  # e.g. print the table so far: a long run still leaves figures if stopped
+            on_question(len(next(iter(out.values()))["kl"]), out)
     return out
 
 
@@ -215,6 +244,20 @@ def quality_rows(results: dict[str, dict[str, list[float]]], baseline: str = "fp
     return rows
 
 
+def print_combined(paths: list[str]) -> None:
+    """One quality table from the per-question results of several runs (same settings, disjoint questions)."""
+    merged: dict[str, dict[str, list[float]]] = {}
+    for path in paths:
+        for label, rec in json.loads(Path(path).read_text()).items():
+            dst = merged.setdefault(label, {})
+            for metric, values in rec.items():
+                dst.setdefault(metric, []).extend(values)
+    n = len(next(iter(merged.values()))["kl"])
+    print(f"{n} questions from {len(paths)} runs")
+    print(QUALITY_HEADER)
+    print("\n".join(quality_rows(merged)))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print the size/error/speed table and, unless --no-quality, the quality table (KL, agreement)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -235,9 +278,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth", action="store_true",
                         help="TTFT per codec over a simulated remote tier at 1 Gbit/s and 100 Mbit/s vs recompute "
                              "(--kl-questions questions); skips the quality table")
+    parser.add_argument("--no-bytes", action="store_true",
+                        help="quality table without bytes per token: skips cachegen's (lossless) range coding")
+    parser.add_argument("--json", metavar="PATH", help="also write the quality results per question as JSON (after "
+                        "every question)")
+    parser.add_argument("--combine", nargs="+", metavar="JSON",
+                        help="print one quality table from --json files of runs over disjoint questions, and exit")
     parser.add_argument("--no-sizes", action="store_true", help="skip the size/error/speed table")
     parser.add_argument("--no-quality", "--no-kl", action="store_true", help="skip the quality table")
     args = parser.parse_args(argv)
+    if args.combine:
+        print_combined(args.combine)
+        return
     settings = args.setting or DEFAULT_SETTINGS
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -254,8 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{len(kvs)} chunks, {sum(kv.num_tokens for kv in kvs)} tokens, {args.dtype} "
               "(MB/s of fp16-equivalent KV; indicative)\n")
         print(MEASUREMENT_HEADER)
+        measured = []
         for name, params in settings:
-            print(measure_codec(get_codec(name, **params), kvs, setting_label(name, params)).as_row(), flush=True)
+            measured.append(measure_codec(get_codec(name, **params), kvs, setting_label(name, params)))
+            print(measured[-1].as_row(), flush=True)
+        print(f"\nper layer group (indicative)\n{GROUP_SPEED_HEADER}")
+        print("\n".join(m.group_speed_row() for m in measured), flush=True)
     codec_names = [name for name, _ in settings] if args.setting else ["fp16", "int8", "cachegen"]
     if args.trace:
         trace = make_trace(items[: args.kl_questions], args.trace, args.trace_k, args.chunks)
@@ -281,7 +337,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_quality or args.trace or args.bandwidth:
         return
     chosen = items[args.skip_questions: args.skip_questions + args.kl_questions]
-    results = codec_quality(engine, chosen, settings, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens)
+    def progress(done: int, results: dict) -> None:
+        print(f"[{done} of {len(chosen)} questions]", file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results))
+        if done % 5 == 0 and done < len(chosen):
+            print(f"\n(after {done} questions)\n{QUALITY_HEADER}\n" + "\n".join(quality_rows(results)), flush=True)
+
+    results = codec_quality(engine, chosen, settings, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
+                            on_question=progress, with_bytes=not args.no_bytes)
     print(f"\nvs full prefill, cacheblend@0.15, {len(chosen)} questions × {args.chunks} passages, {args.dtype}, "
           f"greedy {args.max_new_tokens} tokens")
     print(QUALITY_HEADER)

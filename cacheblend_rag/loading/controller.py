@@ -3,76 +3,11 @@ per tier the KV codec (or recompute) with the lowest fetch time (CacheGen's band
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import ConfigError
+from ..store.probe import RECOMPUTE, CodecChoice, auto_codec, choose_codec  # noqa: F401  (re-exported)
 from .profile import CodecProfile, ComputeProfile, TierProfile
-
-logger = logging.getLogger(__name__)
-
-RECOMPUTE = "recompute"
-
-
-@dataclass(frozen=True)
-class CodecChoice:
-    """The codec a tier should store (or "recompute": fetching any is slower than computing) and the estimates:
-    seconds per fp16-equivalent MB of KV for every candidate."""
-
-    codec: str
-    seconds_per_mb: dict[str, float]
-
-    def as_dict(self) -> dict:
-        """For stats and reports."""
-        return {"codec": self.codec, "seconds_per_mb": dict(self.seconds_per_mb)}
-
-
-def choose_codec(tier: TierProfile, codecs: dict[str, CodecProfile], *, allowed: tuple[str, ...] | None = None,
-                 recompute_s_per_mb: float | None = None) -> CodecChoice:
-    """The allowed codec (the quality floor: by default every one in `codecs`) with the lowest fetch time (read +
-    decode) from `tier`; RECOMPUTE when `recompute_s_per_mb` (computing the same KV) beats them all."""
-    names = [n for n in codecs if allowed is None or n in allowed]
-    if not names:
-        raise ConfigError(f"no codec is allowed: allowed={allowed}, measured={sorted(codecs)}")
-    per_mb = {n: codecs[n].fetch_time(1e6, tier) for n in names}
-    best = min(names, key=per_mb.__getitem__)
-    if recompute_s_per_mb is not None:
-        per_mb[RECOMPUTE] = recompute_s_per_mb
-        if recompute_s_per_mb < per_mb[best]:
-            best = RECOMPUTE
-    return CodecChoice(best, per_mb)
-
-
-@functools.lru_cache(maxsize=None)
-def _probe_codecs() -> dict[str, CodecProfile]:
-    from .profile import measure_codecs
-
-    return measure_codecs()
-
-
-def auto_codec(tier: str, root: str | Path | None = None) -> str:
-    """The codec for a "?codec=auto" tier of open_store: measures the tier (memory copy, or a cold read under
-    `root` for disk) and the codecs' decode speed once per process, and returns choose_codec's pick."""
-    from .profile import CONSERVATIVE_DISK, CONSERVATIVE_MEMORY, measure_disk, measure_memory
-    from ..errors import ProfileError
-
-    import torch
-
-    try:
-        if tier == "disk" and root is not None:
-            profile = measure_disk(root, 16 * 1024**2, reserve_bytes=64 * 1024**2)
-        else:
-            profile = measure_memory(torch.device("cpu"), torch.float32, 16 * 1024**2)
-    except (ProfileError, OSError, RuntimeError) as e:
-        profile = CONSERVATIVE_DISK if tier == "disk" else CONSERVATIVE_MEMORY
-        logger.warning("cannot measure the %s tier (%s); assuming %.2f GB/s", tier, e, profile.read_bytes_per_s / 1e9)
-    choice = choose_codec(profile, _probe_codecs())
-    logger.info("the %s tier codes KV with %s (estimated s per fp16 MB: %s)", tier, choice.codec,
-                {k: round(v, 5) for k, v in choice.seconds_per_mb.items()})
-    return choice.codec
-
 
 @dataclass(frozen=True)
 class RatioDecision:

@@ -110,7 +110,7 @@ def _tier_codec(value: str, tier: str, root: Path | None = None) -> str:
     """The codec a tier uses: `value`, or for "auto" the one with the lowest measured fetch time on that tier."""
     if value != "auto":
         return value
-    from ..loading.controller import auto_codec  # measures; imported only when asked
+    from .probe import auto_codec  # measures; imported only when asked
 
     return auto_codec(tier, root)
 
