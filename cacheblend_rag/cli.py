@@ -408,11 +408,11 @@ def _profile(args: argparse.Namespace) -> int:
 def _print_codec_choice(engine, compute, tiers) -> None:
     """Each codec's measured size and decode speed, and the codec (or recompute) each tier would choose."""
     from .loading.controller import LoadingController
-    from .loading.profile import TierProfile, measure_codecs, synthetic_kv
+    from .loading.profile import TierProfile, measure_codec_profiles, synthetic_kv
 
     a = engine.adapter
     kv = synthetic_kv(num_layers=4, num_tokens=512, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim)
-    codecs = measure_codecs(kvs=[kv])
+    codecs = measure_codec_profiles(kvs=[kv])
     for c in codecs.values():
         print(f"codec {c.name}: {c.size_ratio:.2f}x the fp16 bytes, decodes {c.decode_bytes_per_s / 1e6:.0f} MB/s "
               "(fp16-equivalent, synthetic KV)")

@@ -10,7 +10,8 @@ import torch
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.loading.controller import RECOMPUTE, LoadingController, choose_codec
-from cacheblend_rag.loading.profile import CodecProfile, ComputeProfile, TierProfile, measure_codec, synthetic_kv
+from cacheblend_rag.loading.profile import (CodecProfile, ComputeProfile, TierProfile, measure_codec_profile,
+                                            synthetic_kv)
 from cacheblend_rag.store import ChunkKV, KVKey, LayerReadError, MemoryStore, TieredStore, open_store
 from cacheblend_rag.store.codecs import CODECS, get_codec
 from cacheblend_rag.store.throttled import MBIT, ThrottledStore
@@ -150,6 +151,8 @@ def test_engine_over_a_coded_memory_tier_hits_and_stays_close_to_exact(tokenizer
 def test_tier_specs_choose_each_tiers_codec(tmp_path):
     store = open_store(["memory?codec=int8", f"disk:{tmp_path}?codec=cachegen"])
     assert store.memory.codec.name == "int8" and store.disk.codec.name == "cachegen"
+    single = open_store("memory?codec=cachegen")
+    assert isinstance(single, MemoryStore) and single.codec.name == "cachegen"
     plain = open_store(["memory", f"disk:{tmp_path}"], codec="int8")
     assert plain.memory.codec is None and plain.disk.codec.name == "int8"  # codec= is the disk default
 
@@ -260,8 +263,21 @@ def test_the_controller_recomputes_when_fetching_is_slower():
 
 def test_measured_codec_profiles_order_the_codecs_by_size():
     kv = synthetic_kv(num_layers=2, num_tokens=128)
-    profiles = {n: measure_codec(n, [kv], repeats=1) for n in ("fp16", "int8", "cachegen")}
+    profiles = {n: measure_codec_profile(n, [kv], repeats=1) for n in ("fp16", "int8", "cachegen")}
     assert profiles["fp16"].size_ratio == pytest.approx(1.0, rel=1e-3)
     assert 0.5 < profiles["int8"].size_ratio < 0.56
     assert profiles["cachegen"].size_ratio < 0.4
     assert all(p.decode_bytes_per_s > 0 for p in profiles.values())
+
+
+def test_profile_command_prints_each_tiers_codec_choice(tokenizer, capsys):
+    from cacheblend_rag.cli import _print_codec_choice
+
+    engine = CacheBlendEngine(tiny_model("qwen2", len(tokenizer)), tokenizer, kv_store=None)
+    compute = ComputeProfile(num_tokens=2048, layer_fixed_s=1e-3, layer_per_row_s=1e-5, full_prefill_s=1.0)
+    _print_codec_choice(engine, compute, {"memory": TierProfile("memory", 10e9), "disk": TierProfile("disk", 1e9)})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["codec fp16", "codec int8", "codec cachegen", "KV on memory",
+                                                      "KV on disk", "KV on 1 Gbit/s", "KV on 100 Mbit/s"]
+    picks = [line.split(": ")[1].split(" ")[0] for line in lines[3:]]
+    assert all(p in ("fp16", "int8", "cachegen", RECOMPUTE) for p in picks)

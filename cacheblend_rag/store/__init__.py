@@ -76,6 +76,9 @@ def open_store(
         return path
     if isinstance(path, str) and _is_redis(path):
         return TieredStore(MemoryStore(memory_bytes), _redis(path, disk_dtype))
+    if isinstance(path, str) and "?codec=" in path:  # one tier spec with its codec, e.g. "memory?codec=int8"
+        return open_store([path], memory_bytes=memory_bytes, disk_bytes=disk_bytes, disk_dtype=disk_dtype,
+                          codec=codec)
     if isinstance(path, (str, Path)):
         # "~/kv" means the home folder, never a literal "./~" folder
         return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype,

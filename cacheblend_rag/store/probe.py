@@ -64,7 +64,7 @@ def synthetic_kv(num_layers: int = 4, num_tokens: int = 512, num_kv_heads: int =
     return ChunkKV(tuple(keys), tuple(values), torch.zeros(num_tokens, dtype=torch.int64))
 
 
-def measure_codec(name: str, kvs=None, repeats: int = 2) -> CodecProfile:
+def measure_codec_profile(name: str, kvs=None, repeats: int = 2) -> CodecProfile:
     """Size ratio and per-layer decode speed of codec `name` on `kvs` (ChunkKVs; default: synthetic_kv())."""
     kvs = kvs if kvs is not None else [synthetic_kv()]
     codec = get_codec(name)
@@ -87,9 +87,9 @@ def measure_codec(name: str, kvs=None, repeats: int = 2) -> CodecProfile:
     return CodecProfile(name, stored / fp16, fp16 / max(decode_s, 1e-9))
 
 
-def measure_codecs(names=("fp16", "int8", "cachegen"), kvs=None) -> dict[str, CodecProfile]:
-    """measure_codec for each name."""
-    return {name: measure_codec(name, kvs) for name in names}
+def measure_codec_profiles(names=("fp16", "int8", "cachegen"), kvs=None) -> dict[str, CodecProfile]:
+    """measure_codec_profile for each name."""
+    return {name: measure_codec_profile(name, kvs) for name in names}
 
 
 def drop_page_cache(paths) -> int:
@@ -242,7 +242,7 @@ def choose_codec(tier: TierProfile, codecs: dict[str, CodecProfile], *, allowed:
 
 @functools.lru_cache(maxsize=None)
 def _probe_codecs() -> dict[str, CodecProfile]:
-    return measure_codecs()
+    return measure_codec_profiles()
 
 
 def auto_codec(tier: str, root: str | Path | None = None) -> str:
