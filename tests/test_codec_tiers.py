@@ -120,7 +120,7 @@ def test_memory_codec_none_keeps_the_kv_as_put():
     kv = make_kv()
     store = MemoryStore(None)
     store.put(KEY, kv)
-    assert store.get(KEY) is kv and store.stats()["codec"] is None
+    assert store.get(KEY) is kv and store.stats()["codec"] is None and store.keys() == [KEY]
 
 
 def test_unknown_memory_codec_is_a_config_error():

@@ -199,6 +199,11 @@ class MemoryStore:
             self._entries.clear()
             self._bytes = 0
 
+    def keys(self) -> list[KVKey]:
+        """The held keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
