@@ -443,7 +443,27 @@ def _profile(args: argparse.Namespace) -> int:
           f"recomputed token (at a {compute.num_tokens}-token context)")
     for name, tier in tiers.items():
         print(f"tier {name}: {tier.read_bytes_per_s / 1e9:.2f} GB/s")
+    _print_codec_choice(engine, compute, tiers)
     return 0
+
+
+def _print_codec_choice(engine, compute, tiers) -> None:
+    """Each codec's measured size and decode speed, and the codec (or recompute) each tier would choose."""
+    from .loading.controller import LoadingController
+    from .loading.profile import TierProfile, measure_codec_profiles, synthetic_kv
+
+    a = engine.adapter
+    kv = synthetic_kv(num_layers=4, num_tokens=512, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim)
+    codecs = measure_codec_profiles(kvs=[kv])
+    for c in codecs.values():
+        print(f"codec {c.name}: {c.size_ratio:.2f}x the fp16 bytes, decodes {c.decode_bytes_per_s / 1e6:.0f} MB/s "
+              "(fp16-equivalent, synthetic KV)")
+    links = {**tiers, "1 Gbit/s": TierProfile("1 Gbit/s", 125e6), "100 Mbit/s": TierProfile("100 Mbit/s", 12.5e6)}
+    controller = LoadingController(compute, links)
+    for name in links:
+        choice = controller.choose_codec(name, codecs, 2 * 2 * a.num_kv_heads * a.head_dim)
+        costs = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in choice.seconds_per_mb.items())
+        print(f"KV on {name}: {choice.codec} (ms per fp16 MB: {costs})")
 
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ingest, _add_ask, _add_profile, _add_delete,

@@ -114,6 +114,20 @@ def test_round_trip_on_real_kv_is_within_the_bound_of_its_bits_in_every_layer_gr
         _roundtrip_check(codec, real_kv.keys[layer], real_kv.values[layer], layer, real_kv.num_layers, torch.float32)
 
 
+@pytest.mark.parametrize("params", [{}, {"key_bits": "8,2", "value_bits": "3", "group_size": 10, "value_axis": "token"}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cachegen_reconstruct_equals_encode_then_decode_bit_for_bit(params, dtype):
+    """The quality sweep's shortcut (no range coding) must give exactly what the store would return."""
+    codec = get_codec("cachegen", **params)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(37, 2, 16, generator=g) * 3 + 1
+    v = torch.randn(37, 2, 8, generator=g)
+    for layer in (0, 3):
+        dk, dv = codec.decode_layer(codec.encode_layer(k, v, layer, 4), **_shape(k, v, layer, 4, dtype))
+        rk, rv = codec.reconstruct_layer(k, v, layer, 4, dtype)
+        assert torch.equal(dk, rk) and torch.equal(dv, rv)
+
+
 @pytest.mark.model
 def test_fp16_round_trip_is_exact_for_fp16_kv_and_equals_the_cast_for_fp32(real_kv):
     codec = get_codec("fp16")

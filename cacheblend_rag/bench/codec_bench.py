@@ -8,17 +8,22 @@ with a full prefill, as the loading benchmark does.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import random
+import sys
 import statistics
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..store import KVKey
 from ..store.base import ChunkKV
-from ..store.codecs import MEASUREMENT_HEADER, decode_chunk, encode_chunk, get_codec, measure_codec
+from ..store.codecs import GROUP_SPEED_HEADER, MEASUREMENT_HEADER, decode_chunk, encode_chunk, get_codec, layer_nbytes, measure_codec
 from .datasets import load_dataset, passages_of, resolve_dataset
-from .metrics import first_token_kl
+from .metrics import first_token_kl, token_f1
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +36,18 @@ DEFAULT_SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("cachegen", {}),
     ("cachegen", {"key_bits": "8,6,5", "value_bits": "6,5,4"}),
     ("cachegen", {"key_bits": "6,5,5", "value_bits": "6,5,4"}),
+    ("cachegen", {"key_bits": "6,5,5", "value_bits": "5,4,4"}),
     ("cachegen", {"key_bits": "6,5,4", "value_bits": "5,4,3"}),
-    ("cachegen", {"key_bits": "5,4,4", "value_bits": "5,4,4"}),  # LMCache-like: 32 bins shallow, 16 deeper
+    ("cachegen", {"key_bits": "5,4,4", "value_bits": "5,4,4"}),
+    # LMCache's scheme: per-token absmax, 32 bins (5 bits) for the shallow third of the keys, 16 (4 bits) deeper;
+    # values 32 bins for the first 2 layers only (here: the shallow third), 16 after
+    ("cachegen", {"key_bits": "5,4,4", "value_bits": "5,4,4", "key_axis": "token", "value_axis": "token"}),
+    ("cachegen", {"value_axis": "token"}),
     ("cachegen", {"key_bits": "6,4,3", "value_bits": "5,3,3"}),
     ("cachegen", {"key_bits": "5,4,3", "value_bits": "4,3,3"}),
     ("cachegen", {"key_bits": "4,3,3", "value_bits": "4,3,3"}),
     ("cachegen", {"group_size": 10}),
     ("cachegen", {"group_size": 64}),
-    ("cachegen", {"value_axis": "token"}),
 ]
 
 
@@ -54,41 +63,240 @@ def chunk_kvs(engine, texts: list[str]) -> list[ChunkKV]:
     return out
 
 
-def codec_kl(engine, items: list[dict], settings: list[tuple[str, dict[str, Any]]], *, num_chunks: int = 6,
-             recompute_ratio: float = 0.15) -> dict[str, list[float]]:
-    """Per setting, first-token KL(full prefill ‖ cacheblend over codec-round-tripped KV) per question."""
-    out: dict[str, list[float]] = {}
+def parse_setting(text: str) -> tuple[str, dict[str, str]]:
+    """'cachegen:key_bits=6,5,5;value_bits=5,4,4' -> ('cachegen', {'key_bits': '6,5,5', 'value_bits': '5,4,4'})."""
+    name, _, rest = text.partition(":")
+    params = dict(item.split("=", 1) for item in rest.split(";") if item)
+    get_codec(name, **params)  # fail early on a bad setting
+    return name, params
+
+
+def setting_label(name: str, params: dict[str, Any]) -> str:
+    """A short label: 'cachegen K6,5,5 V5,4,4 g0 ch/ch'."""
+    if not params:
+        return name
+    return f"{name} " + " ".join(f"{k}={v}" for k, v in params.items())
+
+
+@dataclass
+class _RoundTrip:
+    kv: ChunkKV
+    nbytes: int
+    num_tokens: int
+
+
+def _round_trip(codec, kv: ChunkKV, dtype: torch.dtype, *, with_bytes: bool) -> _RoundTrip:
+    """`kv` through `codec` (encode, decode to `dtype`) and its stored bytes; without bytes, a codec's lossless-free
+    `reconstruct_layer` (cachegen's quantization without the range coder, bit-identical) is used when it has one."""
+    reconstruct = getattr(codec, "reconstruct_layer", None)
+    if with_bytes or reconstruct is None:
+        layers = encode_chunk(codec, kv)
+        return _RoundTrip(decode_chunk(codec, layers, kv, dtype), sum(layer_nbytes(t) for t in layers), kv.num_tokens)
+    pairs = [reconstruct(k, v, i, kv.num_layers, dtype) for i, (k, v) in enumerate(zip(kv.keys, kv.values))]
+    out = ChunkKV(tuple(k for k, _ in pairs), tuple(v for _, v in pairs), kv.token_ids, kv.positions_start)
+    return _RoundTrip(out, 0, kv.num_tokens)
+
+
+def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str, Any]]], *, num_chunks: int = 6,
+                  recompute_ratio: float = 0.15, max_new_tokens: int = 32,
+                  on_question=None, with_bytes: bool = True) -> dict[str, dict[str, list[float]]]:
+    """Per setting and question: first-token KL(full prefill ‖ cacheblend over codec-round-tripped KV), greedy
+    answer agreement (token F1 with the full prefill's answer), first-token match and stored bytes per token.
+
+    "none" is the engine's own KV (no store round trip); put ("fp16", {}) in `settings` for the baseline store.
+    """
+    out: dict[str, dict[str, list[float]]] = {}
     dtype = engine.adapter.dtype
     for item in items:
         texts = passages_of(item, num_chunks)
         ids = engine.ingest(texts, show_progress=False)
         keys = [KVKey(engine.namespace, cid) for cid in ids]
         originals = [engine.kv_store.get(k) for k in keys]
-        full = engine.prefill(texts, item["question"], method="full_prefill")
+        full = engine.generate(texts, item["question"], method="full_prefill", max_new_tokens=max_new_tokens)
         for name, params in [("none", {})] + settings:
-            label = f"{name} {params}" if params else name
+            nbytes = tokens = 0
             for key, kv in zip(keys, originals):
                 if name != "none":
                     codec = get_codec(name, **params)
-                    kv = decode_chunk(codec, encode_chunk(codec, kv), kv, dtype).to(engine.adapter.device)
+                    kv = _round_trip(codec, kv, dtype, with_bytes=with_bytes)
+                    nbytes += kv.nbytes if with_bytes else 0
+                    tokens += kv.num_tokens
+                    kv = kv.kv.to(engine.adapter.device)
                 engine.kv_store.put(key, kv)
-            pre = engine.prefill(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio)
-            out.setdefault(label, []).append(max(0.0, first_token_kl(full.logits, pre.logits)))
+            gen = engine.generate(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio,
+                                  max_new_tokens=max_new_tokens)
+            rec = out.setdefault(setting_label(name, params), {"kl": [], "agreement": [], "match": [], "bpt": []})
+            rec["kl"].append(max(0.0, first_token_kl(full.logits, gen.logits)))
+            rec["agreement"].append(token_f1(gen.text, full.text))
+            rec["match"].append(float(int(gen.logits.argmax()) == int(full.logits.argmax())))
+            rec["bpt"].append(nbytes / tokens if tokens and nbytes else float("nan"))
         for key, kv in zip(keys, originals):
             engine.kv_store.put(key, kv)
+        if on_question is not None:  # e.g. print the table so far: a long run still leaves figures if stopped
+            on_question(len(next(iter(out.values()))["kl"]), out)
     return out
 
 
+def _engine_over(engine, store):
+    """An engine on the same model whose KV lives in `store` (a throwaway, for one measurement)."""
+    return type(engine)(engine.model, engine.tokenizer, kv_store=store, lead_in=engine.lead_in,
+                        template=engine.template)
+
+
+def make_trace(items: list[dict], num_requests: int, k: int, num_chunks: int = 6,
+               seed: int = 0) -> list[tuple[list[str], str]]:
+    """`num_requests` seeded requests: a random question of `items`, with a random k-subset of its passages."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        item = rng.choice(items)
+        passages = passages_of(item, num_chunks)
+        out.append((rng.sample(passages, min(k, len(passages))), item["question"]))
+    return out
+
+
+def trace_loop(engine, trace: list[tuple[list[str], str]], codecs: list[str], *, budget_fraction: float = 0.25,
+               recompute_ratio: float = 0.15) -> dict[str, dict[str, float]]:
+    """Per codec: a memory tier whose byte budget holds `budget_fraction` of the trace's distinct chunks in fp16,
+    the trace replayed through cacheblend; chunk hit rate, median and mean TTFT, entries held at the end."""
+    from ..store import MemoryStore
+
+    distinct = sorted({t for texts, _ in trace for t in texts})
+    tokens = sum(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in distinct)
+    a = engine.adapter
+    fp16_per_token = 2 * 2 * a.num_layers * a.num_kv_heads * a.head_dim
+    budget = int(budget_fraction * tokens * fp16_per_token)
+    out: dict[str, dict[str, float]] = {}
+    for name in codecs:
+        store = MemoryStore(budget, codec=name)
+        eng = _engine_over(engine, store)
+        ttfts, hits, total = [], 0, 0
+        for texts, question in trace:
+            pre = eng.prefill(texts, question, method="cacheblend", recompute_ratio=recompute_ratio)
+            ttfts.append(pre.stats["ttft_s"])
+            hits += len(pre.stats["chunk_hits"])
+            total += len(texts)
+        st = store.stats()
+        out[name] = {"hit_rate": hits / total, "ttft_median_s": statistics.median(ttfts),
+                     "ttft_mean_s": statistics.fmean(ttfts), "entries": st["entries"], "distinct": len(distinct),
+                     "budget_mb": budget / 1e6}
+        logger.info("trace %s: %s", name, out[name])
+    return out
+
+
+def bandwidth_loop(engine, items: list[dict], codecs: list[str], bandwidths: list[float | None], *,
+                   num_chunks: int = 6, recompute_ratio: float = 0.15) -> dict[str, dict[str, float]]:
+    """Median TTFT of cacheblend over a remote tier at each bandwidth (bytes/s; None: in-process memory) per codec,
+    every chunk a hit; and of recomputing everything (full prefill) for reference."""
+    from ..store import MemoryStore
+    from ..store.throttled import ThrottledStore
+
+    out: dict[str, dict[str, float]] = {}
+    plain = MemoryStore(None)
+    filler = _engine_over(engine, plain)  # computes every chunk's KV once; each codec's tier gets a coded copy
+    for item in items:
+        filler.ingest(passages_of(item, num_chunks), show_progress=False)
+        filler.prefill(passages_of(item, num_chunks), item["question"], method="full_reuse")  # the lead-in too
+    for name in codecs:
+        base = MemoryStore(None, codec=name)
+        for key in plain.keys():
+            base.put(key, plain.get(key))
+        for bw in bandwidths:
+            store = base if bw is None else ThrottledStore(base, bw)
+            eng = _engine_over(engine, store)
+            ttfts, loaded = [], []
+            for item in items:
+                pre = eng.prefill(passages_of(item, num_chunks), item["question"], method="cacheblend",
+                                  recompute_ratio=recompute_ratio)
+                if pre.stats["chunk_misses"]:
+                    raise RuntimeError(f"bandwidth bench: unexpected misses {pre.stats['chunk_misses']}")
+                ttfts.append(pre.stats["ttft_s"])
+                loaded.append(pre.stats["kv_bytes_loaded"])
+            out.setdefault(name, {})[_bw_label(bw)] = statistics.median(ttfts)
+            out[name]["MB loaded"] = statistics.fmean(loaded) / 1e6
+            logger.info("bandwidth %s %s: %.3f s", name, _bw_label(bw), statistics.median(ttfts))
+    eng = _engine_over(engine, plain)
+    full = [eng.prefill(passages_of(item, num_chunks), item["question"], method="full_prefill").stats["ttft_s"]
+            for item in items]
+    out["recompute (full prefill)"] = {_bw_label(bw): statistics.median(full) for bw in bandwidths}
+    out["recompute (full prefill)"]["MB loaded"] = 0.0
+    return out
+
+
+def _bw_label(bw: float | None) -> str:
+    if bw is None:
+        return "memory"
+    return f"{bw * 8 / 1e9:g} Gbit/s" if bw * 8 >= 1e9 else f"{bw * 8 / 1e6:g} Mbit/s"
+
+
+QUALITY_HEADER = ("| KV passed through | B/token | vs fp16 | mean KL | Δ KL vs fp16 store | agreement F1 | "
+                  "Δ agreement | first-token match |\n|---|---|---|---|---|---|---|---|")
+
+
+def quality_rows(results: dict[str, dict[str, list[float]]], baseline: str = "fp16") -> list[str]:
+    """Markdown rows of codec_quality's results, deltas against the `baseline` setting."""
+    base = results.get(baseline)
+    base_kl = statistics.fmean(base["kl"]) if base else float("nan")
+    base_ag = statistics.fmean(base["agreement"]) if base else float("nan")
+    base_bpt = statistics.fmean(base["bpt"]) if base else float("nan")
+    rows = []
+    for label, r in results.items():
+        kl, ag, bpt = statistics.fmean(r["kl"]), statistics.fmean(r["agreement"]), statistics.fmean(r["bpt"])
+        ratio = f"{base_bpt / bpt:.2f}×" if bpt == bpt else "—"
+        rows.append(f"| {label} | {bpt:,.0f} | {ratio} | {kl:.4f} | {kl - base_kl:+.4f} | {ag:.3f} | "
+                    f"{ag - base_ag:+.3f} | {statistics.fmean(r['match']):.2f} |")
+    return rows
+
+
+def print_combined(paths: list[str]) -> None:
+    """One quality table from the per-question results of several runs (same settings, disjoint questions)."""
+    merged: dict[str, dict[str, list[float]]] = {}
+    for path in paths:
+        for label, rec in json.loads(Path(path).read_text()).items():
+            dst = merged.setdefault(label, {})
+            for metric, values in rec.items():
+                dst.setdefault(metric, []).extend(values)
+    n = len(next(iter(merged.values()))["kl"])
+    print(f"{n} questions from {len(paths)} runs")
+    print(QUALITY_HEADER)
+    print("\n".join(quality_rows(merged)))
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Print the size/error/speed table and, unless --no-kl, the KL table."""
+    """Print the size/error/speed table and, unless --no-quality, the quality table (KL, agreement)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--questions", type=int, default=2, help="questions whose passages give the KV to measure")
-    parser.add_argument("--kl-questions", type=int, default=5)
+    parser.add_argument("--kl-questions", type=int, default=20, help="questions for the quality table")
+    parser.add_argument("--skip-questions", type=int, default=0, help="start the quality table after this many")
     parser.add_argument("--chunks", type=int, default=6)
-    parser.add_argument("--no-kl", action="store_true")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--setting", action="append", metavar="NAME[:K=V;K=V]", type=parse_setting,
+                        help="a codec setting (repeatable); default: the built-in sweep")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--trace", type=int, default=0, metavar="R",
+                        help="replay R seeded requests over --kl-questions questions through a memory tier holding "
+                             "1/4 of the distinct chunks in fp16, per codec (hit rate, TTFT); skips the quality table")
+    parser.add_argument("--trace-k", type=int, default=4, help="passages per trace request")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="TTFT per codec over a simulated remote tier at 1 Gbit/s and 100 Mbit/s vs recompute "
+                             "(--kl-questions questions); skips the quality table")
+    parser.add_argument("--no-bytes", action="store_true",
+                        help="quality table without bytes per token: skips cachegen's (lossless) range coding")
+    parser.add_argument("--json", metavar="PATH", help="also write the quality results per question as JSON (after "
+                        "every question)")
+    parser.add_argument("--combine", nargs="+", metavar="JSON",
+                        help="print one quality table from --json files of runs over disjoint questions, and exit")
+    parser.add_argument("--no-sizes", action="store_true", help="skip the size/error/speed table")
+    parser.add_argument("--no-quality", "--no-kl", action="store_true", help="skip the quality table")
     args = parser.parse_args(argv)
+    if args.combine:
+        print_combined(args.combine)
+        return
+    settings = args.setting or DEFAULT_SETTINGS
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from ..engine import CacheBlendEngine
 
@@ -96,20 +304,56 @@ def main(argv: list[str] | None = None) -> None:
     if path is None:
         raise SystemExit("MuSiQue data not found; set $CACHEBLEND_RAG_MUSIQUE")
     engine = CacheBlendEngine.from_pretrained(args.model, None, device="cpu", dtype=args.dtype)
-    items = load_dataset(path, max(args.questions, args.kl_questions))
-    kvs = chunk_kvs(engine, [t for item in items[: args.questions] for t in passages_of(item, args.chunks)])
-    print(f"{len(kvs)} chunks, {sum(kv.num_tokens for kv in kvs)} tokens, {args.dtype} "
-          "(MB/s of fp16-equivalent KV; indicative)\n")
-    print(MEASUREMENT_HEADER)
-    for name, params in DEFAULT_SETTINGS:
-        print(measure_codec(get_codec(name, **params), kvs).as_row(), flush=True)
-    if args.no_kl:
+    items = load_dataset(path, max(args.questions, args.skip_questions + args.kl_questions))
+    if not args.no_sizes:
+        kvs = chunk_kvs(engine, [t for item in items[: args.questions] for t in passages_of(item, args.chunks)])
+        print(f"{len(kvs)} chunks, {sum(kv.num_tokens for kv in kvs)} tokens, {args.dtype} "
+              "(MB/s of fp16-equivalent KV; indicative)\n")
+        print(MEASUREMENT_HEADER)
+        measured = []
+        for name, params in settings:
+            measured.append(measure_codec(get_codec(name, **params), kvs, setting_label(name, params)))
+            print(measured[-1].as_row(), flush=True)
+        print(f"\nper layer group (indicative)\n{GROUP_SPEED_HEADER}")
+        print("\n".join(m.group_speed_row() for m in measured), flush=True)
+    codec_names = [name for name, _ in settings] if args.setting else ["fp16", "int8", "cachegen"]
+    if args.trace:
+        trace = make_trace(items[: args.kl_questions], args.trace, args.trace_k, args.chunks)
+        rows = trace_loop(engine, trace, codec_names)
+        first = next(iter(rows.values()))
+        print(f"\nmemory tier of {first['budget_mb']:.1f} MB (1/4 of {first['distinct']} distinct chunks in fp16), "
+              f"{args.trace} requests of {args.trace_k} passages over {args.kl_questions} questions, cacheblend@0.15, "
+              f"{args.dtype} (TTFT indicative)")
+        print("| memory codec | chunk hit rate | median TTFT (s) | mean TTFT (s) | entries held |\n|---|---|---|---|---|")
+        for name, r in rows.items():
+            print(f"| {name} | {r['hit_rate']:.2f} | {r['ttft_median_s']:.3f} | {r['ttft_mean_s']:.3f} | "
+                  f"{r['entries']} |", flush=True)
+    if args.bandwidth:
+        bws = [None, 1e9 / 8, 1e8 / 8]
+        rows = bandwidth_loop(engine, items[: args.kl_questions], codec_names, bws, num_chunks=args.chunks)
+        labels = [_bw_label(b) for b in bws]
+        print(f"\nmedian TTFT (s) of cacheblend@0.15, every chunk on the tier, {args.kl_questions} questions × "
+              f"{args.chunks} passages, {args.dtype} (indicative)")
+        print("| KV | MB read per request | " + " | ".join(labels) + " |\n|---|---|" + "---|" * len(labels))
+        for name, r in rows.items():
+            print(f"| {name} | {r['MB loaded']:.1f} | " + " | ".join(f"{r[lb]:.3f}" for lb in labels) + " |",
+                  flush=True)
+    if args.no_quality or args.trace or args.bandwidth:
         return
-    kl = codec_kl(engine, items[: args.kl_questions], DEFAULT_SETTINGS, num_chunks=args.chunks)
-    print(f"\nfirst-token KL vs full prefill, cacheblend@0.15, {args.kl_questions} questions × {args.chunks} passages")
-    print("| KV passed through | mean KL | median KL | max KL |\n|---|---|---|---|")
-    for label, values in kl.items():
-        print(f"| {label} | {statistics.fmean(values):.4f} | {statistics.median(values):.4f} | {max(values):.4f} |")
+    chosen = items[args.skip_questions: args.skip_questions + args.kl_questions]
+    def progress(done: int, results: dict) -> None:
+        print(f"[{done} of {len(chosen)} questions]", file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results))
+        if done % 5 == 0 and done < len(chosen):
+            print(f"\n(after {done} questions)\n{QUALITY_HEADER}\n" + "\n".join(quality_rows(results)), flush=True)
+
+    results = codec_quality(engine, chosen, settings, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
+                            on_question=progress, with_bytes=not args.no_bytes)
+    print(f"\nvs full prefill, cacheblend@0.15, {len(chosen)} questions × {args.chunks} passages, {args.dtype}, "
+          f"greedy {args.max_new_tokens} tokens")
+    print(QUALITY_HEADER)
+    print("\n".join(quality_rows(results)), flush=True)
 
 
 if __name__ == "__main__":

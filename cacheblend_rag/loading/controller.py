@@ -1,12 +1,13 @@
-"""The loading controller (CacheBlend §5.1): pick a recompute ratio whose recompute hides the KV loading."""
+"""The loading controller (CacheBlend §5.1): pick a recompute ratio whose recompute hides the KV loading, and
+per tier the KV codec (or recompute) with the lowest fetch time (CacheGen's bandwidth adaptation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .profile import ComputeProfile, TierProfile
-
+from ..store.probe import RECOMPUTE, CodecChoice, auto_codec, choose_codec  # noqa: F401  (re-exported)
+from .profile import CodecProfile, ComputeProfile, TierProfile
 
 @dataclass(frozen=True)
 class RatioDecision:
@@ -34,6 +35,18 @@ class LoadingController:
     def __post_init__(self) -> None:
         if not 0.0 <= self.quality_floor <= 1.0:
             raise ConfigError(f"quality_floor must be within [0, 1], got {self.quality_floor}")
+
+    def recompute_s_per_mb(self, fp16_bytes_per_token_layer: int) -> float:
+        """Seconds to recompute one fp16-equivalent MB of KV (rows of the fused loop), from the compute profile."""
+        return self.compute.layer_per_row_s * 1e6 / fp16_bytes_per_token_layer
+
+    def choose_codec(self, tier: str, codecs: dict[str, CodecProfile], fp16_bytes_per_token_layer: int, *,
+                     allowed: tuple[str, ...] | None = None) -> CodecChoice:
+        """choose_codec for one of this controller's tiers, with recomputing as a candidate."""
+        if tier not in self.tiers:
+            raise ConfigError(f"no profile for tier {tier!r}; measured: {sorted(self.tiers)}")
+        return choose_codec(self.tiers[tier], codecs, allowed=allowed,
+                            recompute_s_per_mb=self.recompute_s_per_mb(fp16_bytes_per_token_layer))
 
     def layer_load_time(self, bytes_per_layer_by_tier: dict[str, int]) -> float:
         """Seconds to read one layer of every placed chunk, summed over the tiers they live in."""

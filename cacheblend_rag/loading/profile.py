@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,6 +16,20 @@ import torch
 
 from .. import settings
 from ..errors import ProfileError
+from ..store.probe import (  # noqa: F401  (re-exported: the measured tier and codec speeds)
+    CONSERVATIVE_DISK,
+    CONSERVATIVE_MEMORY,
+    PROBE_PREFIX,
+    CodecProfile,
+    TierProfile,
+    drop_page_cache,
+    measure_codec_profile,
+    measure_codec_profiles,
+    measure_disk,
+    measure_memory,
+    remove_stale_probes,
+    synthetic_kv,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,133 +47,6 @@ class ComputeProfile:
         """Estimated seconds for one layer computing `num_rows` rows (attention scaled to the context)."""
         scale = 1.0 if not num_tokens else (0.5 + 0.5 * num_tokens / self.num_tokens)  # ~half the row cost is attention
         return self.layer_fixed_s + self.layer_per_row_s * num_rows * scale
-
-
-@dataclass(frozen=True)
-class TierProfile:
-    """Read throughput of one storage tier into compute memory."""
-
-    name: str
-    read_bytes_per_s: float
-
-    def load_time(self, num_bytes: int) -> float:
-        """Estimated seconds to read `num_bytes`."""
-        return num_bytes / self.read_bytes_per_s if self.read_bytes_per_s > 0 else float("inf")
-
-
-def drop_page_cache(paths) -> int:
-    """Ask the OS to drop cached pages of these files (posix_fadvise DONTNEED); returns how many it could."""
-    dropped = 0
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            dropped += 1
-        except (OSError, AttributeError):
-            pass
-        finally:
-            os.close(fd)
-    return dropped
-
-
-PROBE_PREFIX = ".probe-"
-CONSERVATIVE_DISK = TierProfile("disk", 100e6)  # a slow disk: "auto" then recomputes more, never less
-CONSERVATIVE_MEMORY = TierProfile("memory", 1e9)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-def remove_stale_probes(root: str | Path) -> int:
-    """Remove probe files left by a killed measurement (their process is gone); returns how many."""
-    removed = 0
-    for path in Path(root).glob(PROBE_PREFIX + "*"):
-        pid = path.name[len(PROBE_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and _pid_alive(int(pid)):
-            continue  # a live measurement's (or ours, removed by its own finally)
-        try:
-            path.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            logger.warning("could not remove stale disk probe %s: %s", path, e)
-    if removed:
-        logger.info("removed %d stale disk probe file(s) under %s", removed, root)
-    return removed
-
-
-def measure_disk(root: str | Path, num_bytes: int = 64 * 1024**2, *, reserve_bytes: int = 256 * 1024**2) -> TierProfile:
-    """Cold read throughput of the file system under `root` (page cache dropped for the probe file).
-
-    The probe file (`.probe-<pid>-*`, `num_bytes`) is always removed, and stale ones of killed processes are
-    removed first. Needs `num_bytes + reserve_bytes` free: the probe never fills the disk a KV store writes to.
-    Raises ProfileError (with the reason and the fix) when it cannot measure.
-    """
-    root = Path(root)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_stale_probes(root)
-        free = shutil.disk_usage(root).free
-    except OSError as e:
-        raise ProfileError(f"cannot measure the disk tier under {root}: {e}") from e
-    if free < num_bytes + reserve_bytes:
-        mib = 1024**2
-        raise ProfileError(f"cannot measure the disk tier under {root}: {free / mib:.1f} MiB free, the probe needs "
-                           f"{(num_bytes + reserve_bytes) / mib:.0f} MiB ({num_bytes / mib:.0f} MiB file + "
-                           f"{reserve_bytes / mib:.0f} MiB left free); free some space there or put the KV store "
-                           "elsewhere (--home)")
-    path = root / f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    block = 4 * 1024**2
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            written = 0
-            while written < num_bytes:
-                written += os.write(fd, os.urandom(min(block, num_bytes - written)))
-        finally:
-            os.close(fd)
-        drop_page_cache([path])
-        started = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            while f.read(block):
-                pass
-        seconds = time.perf_counter() - started
-    except OSError as e:
-        raise ProfileError(f"cannot measure the disk tier under {root}: {e}; free some space there or put the "
-                           "KV store elsewhere (--home)") from e
-    finally:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as e:  # the next measurement removes it (its process will be gone)
-            logger.warning("could not remove the disk probe %s: %s", path, e)
-    return TierProfile("disk", num_bytes / max(seconds, 1e-9))
-
-
-def measure_memory(device: torch.device, dtype: torch.dtype, num_bytes: int = 64 * 1024**2) -> TierProfile:
-    """Throughput of copying resident (fp16) KV into compute tensors of `dtype` on `device`."""
-    src = torch.randn(num_bytes // 2, dtype=torch.float16)
-    dst = torch.empty(src.shape, dtype=dtype, device=device)
-    dst.copy_(src)
-    started = time.perf_counter()
-    for _ in range(3):
-        dst.copy_(src)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return TierProfile("memory", 3 * num_bytes / (time.perf_counter() - started))
 
 
 def measure_compute(engine, num_tokens: int = 2048, ratios: tuple[float, float] = (0.05, 0.4)) -> ComputeProfile:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
+from .codecs import CODECS
 from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, ResidentReader, token_ids_digest
 from .disk import DiskReader, DiskStore
 from .memory import MemoryStore
@@ -64,6 +65,10 @@ def open_store(
     `codec`); "redis://host:port/db[?prefix=NAME]" ->
     memory over Redis; a KVStore -> itself; a list of tiers fastest first, each "memory", "disk:PATH" (or a Path),
     "redis://..." or a KVStore -> a TieredStore of them (e.g. ["memory", "disk:~/kv", "redis://cache:6379/0"]).
+
+    Per-tier codecs: "memory?codec=int8" and "disk:PATH?codec=cachegen" code that tier's entries with the named
+    codec (any of `store.codecs.CODECS`, or "auto": the codec with the lowest measured fetch time for that tier,
+    see `loading.controller.choose_codec`). A disk tier without one uses `codec`; memory keeps KV as put.
     """
     if path is None:
         return MemoryStore(memory_bytes)
@@ -71,6 +76,9 @@ def open_store(
         return path
     if isinstance(path, str) and _is_redis(path):
         return TieredStore(MemoryStore(memory_bytes), _redis(path, disk_dtype))
+    if isinstance(path, str) and "?codec=" in path:  # one tier spec with its codec, e.g. "memory?codec=int8"
+        return open_store([path], memory_bytes=memory_bytes, disk_bytes=disk_bytes, disk_dtype=disk_dtype,
+                          codec=codec)
     if isinstance(path, (str, Path)):
         # "~/kv" means the home folder, never a literal "./~" folder
         return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype,
@@ -84,6 +92,32 @@ def open_store(
                       f"got {type(path).__name__}")
 
 
+def split_codec(spec: str) -> tuple[str, str | None]:
+    """("disk:PATH", "cachegen") from "disk:PATH?codec=cachegen"; (spec, None) without a codec query.
+
+    Only memory and disk tiers take one (a redis URL keeps its own query string).
+    """
+    if _is_redis(spec) or "?" not in spec:
+        return spec, None
+    base, _, query = spec.rpartition("?")
+    name, eq, value = query.partition("=")
+    if name != "codec" or not eq or not value:
+        raise ConfigError(f"unknown tier option {query!r} in {spec!r}; the one option is ?codec=NAME, NAME one "
+                          f"of {sorted(CODECS)} or auto")
+    if value != "auto" and value not in CODECS:
+        raise ConfigError(f"unknown KV codec {value!r} in {spec!r}; choose one of {sorted(CODECS)} or auto")
+    return base, value
+
+
+def _tier_codec(value: str, tier: str, root: Path | None = None) -> str:
+    """The codec a tier uses: `value`, or for "auto" the one with the lowest measured fetch time on that tier."""
+    if value != "auto":
+        return value
+    from .probe import auto_codec  # measures; imported only when asked
+
+    return auto_codec(tier, root)
+
+
 def _tier(spec: StoreSpec, index: int, memory_bytes: int | None, disk_bytes: int | None,
           disk_dtype: torch.dtype, codec: str = "fp16") -> KVStore:
     """One tier of a list spec."""
@@ -92,12 +126,15 @@ def _tier(spec: StoreSpec, index: int, memory_bytes: int | None, disk_bytes: int
     if isinstance(spec, Path):
         return DiskStore(spec.expanduser(), disk_bytes, disk_dtype, codec=codec)
     if isinstance(spec, str):
+        spec, tier_codec = split_codec(spec)
         if spec == "memory":
             if index:
                 raise ConfigError('"memory" must be the first tier: tiers are listed fastest first')
-            return MemoryStore(memory_bytes)
+            return MemoryStore(memory_bytes, codec=_tier_codec(tier_codec, "memory") if tier_codec else None)
         if spec.startswith("disk:") and len(spec) > 5:
-            return DiskStore(Path(spec[5:]).expanduser(), disk_bytes, disk_dtype, codec=codec)
+            root = Path(spec[5:]).expanduser()
+            return DiskStore(root, disk_bytes, disk_dtype,
+                             codec=_tier_codec(tier_codec, "disk", root) if tier_codec else codec)
         if _is_redis(spec):
             return _redis(spec, disk_dtype)
     raise ConfigError(f"unknown KV tier {spec!r}; use \"memory\", \"disk:PATH\", \"redis://host:port/db\" "

@@ -425,6 +425,34 @@ class CacheGenCodec:
     def _model(self, counts: np.ndarray):
         return self._cs.stream.model.Categorical(counts.astype(np.float32), perfect=False)
 
+    def _quantize(self, x: torch.Tensor, bits: int, axis: str, gidx: torch.Tensor,
+                  counts_per_group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(anchors, steps, int8 symbols) of one float32 (num_tokens, heads, dim) tensor: steps 1-3 of the scheme."""
+        levels = (1 << (bits - 1)) - 1
+        mean = torch.zeros((self._num_groups(x.shape[0]),) + x.shape[1:]).index_add_(0, gidx, x) / counts_per_group
+        anchor = mean.to(torch.float16) if bool(torch.isfinite(mean.to(torch.float16)).all()) else mean
+        delta = x - anchor.float()[gidx]
+        step = _scales(_absmax(delta, axis), levels)
+        q = torch.round(delta / step.float()).clamp_(-levels, levels).to(torch.int8)
+        return anchor.contiguous(), step, q
+
+    def reconstruct_layer(self, keys: torch.Tensor, values: torch.Tensor, layer: int, num_layers: int,
+                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """What encode_layer then decode_layer return, without the (lossless) entropy coding: for quality sweeps.
+
+        The same operations as decode_layer on the same symbols, so the result is bit-identical (tested).
+        """
+        k, v = _check_input(keys, values)
+        kbits, vbits = self.bits_for(layer, num_layers)
+        gidx = self._group_index(k.shape[0])
+        counts_per_group = torch.bincount(gidx).to(torch.float32).view(-1, 1, 1)
+        out = []
+        for name, x, bits, axis in (("k", k, kbits, self.key_axis), ("v", v, vbits, self.value_axis)):
+            _require_finite(x, "keys" if name == "k" else "values", self.name)
+            anchor, step, q = self._quantize(x, bits, axis, gidx, counts_per_group)
+            out.append((q.to(torch.float32) * step.float() + anchor.float()[gidx]).to(dtype))
+        return out[0], out[1]
+
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, layer: int, num_layers: int) -> LayerTensors:
         """Anchors, steps, symbol tables and the range-coded symbols of one layer."""
         if not 0 <= layer < num_layers:
@@ -443,11 +471,7 @@ class CacheGenCodec:
         for name, x, bits, axis in (("k", k, kbits, self.key_axis), ("v", v, vbits, self.value_axis)):
             _require_finite(x, "keys" if name == "k" else "values", self.name)
             levels = (1 << (bits - 1)) - 1
-            mean = torch.zeros((self._num_groups(num_tokens),) + x.shape[1:]).index_add_(0, gidx, x) / counts_per_group
-            anchor = mean.to(torch.float16) if bool(torch.isfinite(mean.to(torch.float16)).all()) else mean
-            delta = x - anchor.float()[gidx]
-            step = _scales(_absmax(delta, axis), levels)
-            q = torch.round(delta / step.float()).clamp_(-levels, levels).to(torch.int8)
+            anchor, step, q = self._quantize(x, bits, axis, gidx, counts_per_group)
             sym_crc = zlib.crc32(_bytes_of(q), sym_crc)
             out[f"{name}_anchor"], out[f"{name}_step"] = anchor.contiguous(), step
             for h in range(num_kv_heads):
@@ -578,6 +602,14 @@ class CodecMeasurement:
     decode_s: float
     # per layer group (thirds by depth, shallow first): (max |err| keys, mean |err| keys, max values, mean values)
     group_errors: list[tuple[float, float, float, float]]
+    # per layer group: (fp16-equivalent bytes, stored bytes, encode seconds, decode seconds)
+    group_speed: list[tuple[int, int, float, float]] | None = None
+
+    def group_speed_row(self) -> str:
+        """A markdown row: bits/value, encode and decode MB/s per layer group (see GROUP_SPEED_HEADER)."""
+        cells = [f"{16 * st / fp:.2f} b · {fp / 1e6 / enc:.0f} / {fp / 1e6 / dec:.0f}"
+                 for fp, st, enc, dec in (self.group_speed or [])]
+        return f"| {self.label} | " + " | ".join(cells) + " |"
 
     @property
     def bytes_per_token(self) -> float:
@@ -608,6 +640,11 @@ MEASUREMENT_HEADER = (
 )
 
 
+GROUP_SPEED_HEADER = (
+    "| codec | layers 0–⅓: bits/value · encode / decode MB/s | ⅓–⅔ | ⅔–1 |\n|---|---|---|---|"
+)
+
+
 def measure_codec(codec: KVCodec, kvs: list[ChunkKV], label: str | None = None) -> CodecMeasurement:
     """Encode and decode every chunk with `codec`: bytes, error per layer group vs the input, and speed.
 
@@ -619,20 +656,28 @@ def measure_codec(codec: KVCodec, kvs: list[ChunkKV], label: str | None = None) 
     enc_s = dec_s = 0.0
     num_layers = kvs[0].num_layers
     stats = [[0.0, 0.0, 0.0, 0.0, 0, 0] for _ in range(3)]  # max k, sum k, max v, sum v, n k, n v
+    speed = [[0, 0, 0.0, 0.0] for _ in range(3)]  # fp16 bytes, stored bytes, encode s, decode s
     for kv in kvs:
-        t0 = time.perf_counter()
-        layers = encode_chunk(codec, kv)
-        t1 = time.perf_counter()
-        out = decode_chunk(codec, layers, kv, torch.float32)
-        t2 = time.perf_counter()
-        enc_s, dec_s = enc_s + t1 - t0, dec_s + t2 - t1
-        nbytes += sum(layer_nbytes(t) for t in layers)
-        fp16 += sum(2 * (k.numel() + v.numel()) for k, v in zip(kv.keys, kv.values))
+        k0, v0 = kv.keys[0], kv.values[0]
+        shape = dict(num_tokens=kv.num_tokens, num_kv_heads=k0.shape[1], head_dim=k0.shape[2],
+                     v_head_dim=v0.shape[2], num_layers=num_layers, dtype=torch.float32)
         tokens += kv.num_tokens
         for layer in range(num_layers):
-            s = stats[_layer_group(layer, num_layers, 3)]
-            ek = (out.keys[layer] - kv.keys[layer].float()).abs()
-            ev = (out.values[layer] - kv.values[layer].float()).abs()
+            k, v = kv.keys[layer], kv.values[layer]
+            t0 = time.perf_counter()
+            tensors = codec.encode_layer(k, v, layer, num_layers)
+            t1 = time.perf_counter()
+            dk, dv = codec.decode_layer(tensors, layer=layer, **shape)
+            t2 = time.perf_counter()
+            group = _layer_group(layer, num_layers, 3)
+            layer_fp16, layer_stored = 2 * (k.numel() + v.numel()), layer_nbytes(tensors)
+            enc_s, dec_s = enc_s + t1 - t0, dec_s + t2 - t1
+            nbytes, fp16 = nbytes + layer_stored, fp16 + layer_fp16
+            g = speed[group]
+            g[0], g[1], g[2], g[3] = g[0] + layer_fp16, g[1] + layer_stored, g[2] + t1 - t0, g[3] + t2 - t1
+            s = stats[group]
+            ek = (dk - k.float()).abs()
+            ev = (dv - v.float()).abs()
             s[0], s[1], s[4] = max(s[0], float(ek.max())), s[1] + float(ek.sum()), s[4] + ek.numel()
             s[2], s[3], s[5] = max(s[2], float(ev.max())), s[3] + float(ev.sum()), s[5] + ev.numel()
     errors = [(s[0], s[1] / max(s[4], 1), s[2], s[3] / max(s[5], 1)) for s in stats]
@@ -640,7 +685,7 @@ def measure_codec(codec: KVCodec, kvs: list[ChunkKV], label: str | None = None) 
     shown = {k: v for k, v in params.items() if k != "checksum"}
     label = label or (f"{codec.name} {shown}" if shown else codec.name)
     return CodecMeasurement(label, codec.name, params, tokens,
-                            nbytes, fp16, enc_s, dec_s, errors)
+                            nbytes, fp16, enc_s, dec_s, errors, [tuple(g) for g in speed])
 
 
 def measure_codecs(kvs: list[ChunkKV], settings: list[tuple[str, dict[str, Any]]]) -> list[CodecMeasurement]:

@@ -1,0 +1,148 @@
+"""A simulated slow (remote) tier: any store whose reads are paced to a bandwidth, plus a fixed latency per fetch.
+
+`ThrottledStore(DiskStore(root, codec="cachegen"), bytes_per_s=125e6)` behaves like a 1 Gbit/s remote store of
+cachegen entries: a reader sleeps until the stored bytes it has returned could have crossed the link
+(`bytes_read / bytes_per_s` after the fetch's latency), so per-layer loading streams like a network transfer and
+the fused loop can overlap it with compute. It is a benchmark and test tool for "where does each codec, and
+where does recompute, win" (docs/benchmarks.md, "KV codecs"); the bytes paced are the inner store's stored bytes,
+i.e. compressed bytes for a coded store.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from .base import ChunkKV, KVKey, KVStore, LayerReader
+
+GBIT = 1e9 / 8  # bytes per second of 1 Gbit/s
+MBIT = 1e6 / 8
+
+
+def _pace(started: float, num_bytes: int, bytes_per_s: float) -> None:
+    """Sleep until `num_bytes` could have arrived over a `bytes_per_s` link opened at `started`."""
+    due = started + num_bytes / bytes_per_s
+    delay = due - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+class ThrottledReader:
+    """A reader whose layers arrive no faster than the link allows (bytes counted from the inner reader)."""
+
+    def __init__(self, reader: LayerReader, bytes_per_s: float, tier: str, started: float) -> None:
+        self._reader = reader
+        self._bytes_per_s = bytes_per_s
+        self._started = started
+        self.key, self.tier, self.token_ids = reader.key, tier, reader.token_ids
+        self.num_layers, self.layer_nbytes = reader.num_layers, reader.layer_nbytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+        return self._reader.num_tokens
+
+    @property
+    def bytes_read(self) -> int:
+        """Stored bytes read so far (what crossed the simulated link)."""
+        return self._reader.bytes_read
+
+    @bytes_read.setter
+    def bytes_read(self, value: int) -> None:
+        self._reader.bytes_read = value
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer, returned once its stored bytes could have arrived."""
+        out = self._reader.layer(layer)
+        _pace(self._started, self._reader.bytes_read, self._bytes_per_s)
+        return out
+
+    def complete(self) -> ChunkKV | None:
+        """The whole entry (for promotion into faster tiers), paced like the layers."""
+        complete = getattr(self._reader, "complete", None)
+        if complete is not None:
+            kv = complete()
+        else:  # a resident reader: its layers are the entry
+            layers = [self._reader.layer(i) for i in range(self.num_layers)]
+            kv = ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids)
+        _pace(self._started, self._reader.bytes_read, self._bytes_per_s)
+        return kv
+
+    def close(self) -> None:
+        """Release the inner reader."""
+        self._reader.close()
+
+
+class ThrottledStore:
+    """Wraps a store: reads are paced to `bytes_per_s` after `latency_s` per fetch; writes are not slowed.
+
+    It reports itself as the tier `name` ("remote" by default), so a TieredStore and the request stats name it.
+    """
+
+    def __init__(self, inner: KVStore, bytes_per_s: float, *, latency_s: float = 0.0, name: str = "remote") -> None:
+        if not isinstance(bytes_per_s, (int, float)) or not bytes_per_s > 0:
+            raise ConfigError(f"bytes_per_s must be a positive number (e.g. {GBIT:.0f} for 1 Gbit/s), "
+                              f"got {bytes_per_s!r}")
+        if not isinstance(latency_s, (int, float)) or latency_s < 0:
+            raise ConfigError(f"latency_s must be >= 0 seconds, got {latency_s!r}")
+        self.inner = inner
+        self.bytes_per_s = float(bytes_per_s)
+        self.latency_s = float(latency_s)
+        self.name = name
+
+    def _open(self) -> float:
+        """The fetch's start on the link: now plus the round-trip latency (slept)."""
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return time.perf_counter()
+
+    def get(self, key: KVKey) -> ChunkKV | None:
+        """The entry, returned once its stored bytes could have arrived; None on a miss (after the latency)."""
+        started = self._open()
+        kv = self.inner.get(key)
+        if kv is not None:
+            _pace(started, self.inner.entry_nbytes(key) or kv.nbytes, self.bytes_per_s)
+        return kv
+
+    def reader(self, key: KVKey) -> ThrottledReader | None:
+        """A paced reader over the inner store's reader, or None."""
+        started = self._open()
+        reader = self.inner.reader(key)
+        return ThrottledReader(reader, self.bytes_per_s, self.name, started) if reader is not None else None
+
+    def token_ids(self, key: KVKey) -> torch.Tensor | None:
+        """The entry's token ids (a small metadata read: latency only)."""
+        self._open()
+        return self.inner.token_ids(key)
+
+    def put(self, key: KVKey, kv: ChunkKV) -> None:
+        """Store in the inner store (writes are not paced: the benchmarks fill the tier before timing reads)."""
+        self.inner.put(key, kv)
+
+    def contains(self, key: KVKey) -> bool:
+        """Whether the inner store has the key."""
+        return self.inner.contains(key)
+
+    def delete(self, key: KVKey) -> bool:
+        """Remove from the inner store."""
+        return self.inner.delete(key)
+
+    def tiers(self) -> dict[str, Path | None]:
+        """One tier, named `name`."""
+        return {self.name: None}
+
+    def entry_nbytes(self, key: KVKey) -> int | None:
+        """Stored bytes of the entry in the inner store."""
+        return self.inner.entry_nbytes(key)
+
+    def stats(self) -> dict:
+        """The inner store's stats under this tier's name, with the link's settings."""
+        out = dict(self.inner.stats())
+        out.update(tier=self.name, bytes_per_s=self.bytes_per_s, latency_s=self.latency_s)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
