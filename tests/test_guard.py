@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from conftest import tiny_model
@@ -14,6 +15,15 @@ TEXTS = [
     "Basalt is an igneous rock formed from the rapid cooling of lava rich in iron.",
 ]
 QUESTION = "Where does the river Lune reach the sea?"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a shared 2-core machine, 2 OpenMP threads per process oversubscribe and spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
