@@ -128,3 +128,28 @@ def test_variant_hits_read_from_a_policy_report():
     assert trace.variant_facts({"variant_hits": 3, "num_chunks": 6}) == {"variant_hits": 3, "chunks": 6}
     report = {"chunks": [{"variant": ["a", "b"]}, {"variant": []}, {"variant": ["c"]}]}
     assert trace.variant_facts(report) == {"variant_hits": 2, "chunks": 3}
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_trace_command_end_to_end(musique, tmp_path, capsys):
+    """`cacheblend-rag bench --trace` on the real model: one question, two requests of two short passages."""
+    from cacheblend_rag.cli import main as cli_main
+
+    data = tmp_path / "short.json"
+    data.write_text(json.dumps(_items(musique)[:1]))
+    out = tmp_path / "out"
+    code = cli_main(["bench", "--trace", "--data", str(data), "--limit", "1", "--repeats", "2", "--k", "2",
+                     "--trace-modes", "cold", "--methods", "full_prefill,cacheblend@0.15", "--guard", "0.01",
+                     "--max-new-tokens", "2", "--threads", "1", "-q", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "trace.json").read_text())
+    assert result["meta"]["methods"] == ["full_prefill", "cacheblend@0.15",
+                                         "cacheblend@0.15/guard=0.01/guard_ratio=0.3"]
+    (cold,) = result["results"]
+    assert cold["mode"] == "cold" and len(cold["records"]) == 3 * 2
+    first = [r for r in cold["records"] if r["method"] == "cacheblend@0.15"][0]
+    assert first["chunk_hits"] == 0 and first["guard"]["estimate"] == 0.0  # nothing cached yet: nothing stale
+    assert "| cacheblend@0.15 |" in capsys.readouterr().out
+    assert (out / "trace_kl_vs_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli_main(["bench", "--data", str(data), "--guard", "0.1"]) == 2  # the guard is evaluated on --trace
