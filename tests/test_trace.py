@@ -153,3 +153,10 @@ def test_bench_trace_command_end_to_end(musique, tmp_path, capsys):
     assert "| cacheblend@0.15 |" in capsys.readouterr().out
     assert (out / "trace_kl_vs_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli_main(["bench", "--data", str(data), "--guard", "0.1"]) == 2  # the guard is evaluated on --trace
+
+
+def test_rank_correlation_of_estimate_and_kl():
+    assert trace.rank_correlation([0.1, 0.2, 0.3], [1.0, 2.0, 5.0]) == pytest.approx(1.0)
+    assert trace.rank_correlation([0.1, 0.2, 0.3], [5.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert trace.rank_correlation([0.1, 0.1, 0.1], [1.0, 2.0, 3.0]) is None  # a constant side orders nothing
+    assert trace.rank_correlation([0.1, 0.2], [1.0, 2.0]) is None

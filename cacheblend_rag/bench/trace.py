@@ -262,6 +262,21 @@ def _detection(rows: list[dict], flagged: list[bool], wrong: list[bool]) -> dict
             "flag_rate": sum(flagged) / len(rows) if rows else None}
 
 
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        ranks[i] = float(rank)
+    return ranks
+
+
+def rank_correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (ties broken by order); None with fewer than 3 points or a constant side."""
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None
+    return statistics.correlation(_ranks(xs), _ranks(ys))
+
+
 def guard_detection(records: list[dict], specs: list[MethodSpec]) -> dict:
     """Per method that ran a flag-only guard: recall and precision of its flag over first-token mismatches vs
     full prefill (and over differing greedy answers), a sweep over estimate thresholds, and its escalating
@@ -285,7 +300,10 @@ def guard_detection(records: list[dict], specs: list[MethodSpec]) -> dict:
         entry = {"threshold": spec.options["guard"], "requests": len(measured),
                  "first_token": _detection(measured, flagged, wrong),
                  "answer": _detection(measured, flagged, [not r["answer_match"] for r in measured]),
-                 "estimate_median": statistics.median(estimates), "sweep": sweep, "escalation": None}
+                 "estimate_median": statistics.median(estimates), "sweep": sweep, "escalation": None,
+                 # how well the estimate orders requests by their real distance from full prefill
+                 "estimate_kl_spearman": rank_correlation([r["guard"]["estimate"] for r in measured],
+                                                          [r["kl"] for r in measured])}
         twin = next((s for s in specs if s.method == spec.method and s.ratio == spec.ratio
                      and s.options.get("guard") == spec.options["guard"] and "guard_ratio" in s.options), None)
         if twin is not None:
@@ -335,13 +353,15 @@ def format_guard_table(guard: dict[str, dict]) -> str:
     if not guard:
         return ""
     head = ("| method | threshold | flagged | 1st-token mismatches | recall | precision | answer recall | "
-            "escalate to | escalated | extra mean TTFT | KL → escalated | 1st-token match → escalated |")
+            "estimate~KL (Spearman) | escalate to | escalated | extra mean TTFT | KL → escalated | "
+            "1st-token match → escalated |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for label, g in guard.items():
         d, a, e = g["first_token"], g["answer"], g["escalation"] or {}
         lines.append(
             f"| {label} | {g['threshold']:g} | {_f(d['flag_rate'], '.2f')} | {d['mismatches']}/{g['requests']} | "
             f"{_f(d['recall'], '.2f')} | {_f(d['precision'], '.2f')} | {_f(a['recall'], '.2f')} | "
+            f"{_f(g.get('estimate_kl_spearman'), '+.2f')} | "
             f"{_f(e.get('escalate_to'), 'g')} | {_f(e.get('escalated_share'), '.2f')} | "
             f"{_f(None if not e else 100 * e['extra_ttft'], '+.1f', '%')} | "
             f"{_f(e.get('base_kl'), '.4f')} → {_f(e.get('kl'), '.4f')} | "
