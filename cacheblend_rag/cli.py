@@ -481,7 +481,8 @@ def _add_bench(subparsers) -> None:
                               description="Run full prefill, prefix cache, full reuse, CacheBlend at several ratios, "
                               "the LangChain stuff / map-reduce / map-rerank chains and HuggingFacePipeline on the "
                               "same model and prompts; write results.json, results.md and quality_vs_ttft.png. "
-                              "--breakdown: where the prefill time goes; --loading: KV in memory vs on disk.")
+                              "--breakdown: where the prefill time goes; --loading: KV in memory vs on disk; "
+                              "--trace: chunks that recur with different companions (warm/cold corpus, quality guard).")
     add_arguments(p)
     p.set_defaults(func=run_cli)
 

@@ -7,10 +7,12 @@
     cacheblend-rag bench --limit 10 --concurrency 4 --out bench-load         # + throughput under load
     cacheblend-rag bench --limit 3 --breakdown --out bench-breakdown         # where the prefill time goes
     cacheblend-rag bench --limit 6 --loading --dtype bfloat16                # KV in memory vs on disk, "auto"
+    cacheblend-rag bench --trace --limit 20 --repeats 3 --k 6 --guard 0.05   # chunks recurring in new company
 
 The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
 folder. Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under
---out (breakdown.md/json with --breakdown, loading.md/json with --loading).
+--out (breakdown.md/json with --breakdown, loading.md/json with --loading, trace.md/json and
+trace_kl_vs_ttft.png with --trace).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="instead, TTFT with the KV in memory vs on disk (pipelined and on demand, page cache "
                        f"dropped), and recompute_ratio='auto' vs fixed ratios; CacheBlend at the first --ratios "
                        f"value (default {LOADING_RATIO}) (loading.md)")
+    modes.add_argument("--trace", action="store_true",
+                       help="instead, the trace workload (bench/trace.py): per question --repeats requests of --k "
+                       "of its passages in random order, all questions interleaved, on a warm and/or cold corpus; "
+                       "TTFT, recompute, KL and agreement vs full prefill of each request (trace.md)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -71,8 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also replay the questions from C client threads: queries/min and TTFT under load")
     mode.add_argument("--load-methods", default=DEFAULT_LOAD_METHODS,
                       help=f"methods for --concurrency (default {DEFAULT_LOAD_METHODS})")
-    mode.add_argument("--repeats", type=int, default=2, metavar="R",
-                      help="timed rounds per question with --breakdown (default 2)")
+    mode.add_argument("--repeats", type=int, default=None, metavar="R",
+                      help="timed rounds per question with --breakdown (default 2); requests per question with "
+                      "--trace (default 3)")
+    trace = parser.add_argument_group("--trace")
+    trace.add_argument("--k", type=int, default=6, help="passages per trace request (default 6)")
+    trace.add_argument("--trace-modes", default="warm,cold",
+                       help="corpus modes: warm (every passage precomputed), cold (caches from live requests only); "
+                       "default both")
+    trace.add_argument("--guard", type=float, default=None, metavar="THRESHOLD",
+                       help="evaluate the quality guard: methods that take one compute it (flag only), and a twin "
+                       "escalates flagged requests to --guard-ratio")
+    trace.add_argument("--guard-ratio", type=float, default=None, metavar="R",
+                       help="the ratio flagged requests escalate to (default: twice the method's ratio)")
     mode.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of the chain methods")
 
     engine = parser.add_argument_group("engine")
@@ -131,6 +148,10 @@ def execute(args: argparse.Namespace) -> dict:
         return _breakdown(args, dataset)
     if args.loading:
         return _loading(args, dataset)
+    if args.trace:
+        return _trace(args, dataset)
+    if args.guard is not None or args.guard_ratio is not None:
+        raise ValueError("--guard and --guard-ratio evaluate the quality guard on --trace; add --trace")
     return _benchmark(args, dataset)
 
 
@@ -203,6 +224,7 @@ def _breakdown(args: argparse.Namespace, dataset: Path) -> dict:
     chains = [s.label for s in specs if s.is_chain]
     if chains:
         raise ValueError(f"--breakdown times the engine's prefill; chains have no layers: {', '.join(chains)}")
+    args.repeats = 2 if args.repeats is None else args.repeats
     if args.repeats < 1:
         raise ValueError(f"--repeats must be ≥ 1, got {args.repeats}")
     items, engine = _questions_and_engine(args, dataset)
@@ -243,6 +265,45 @@ def _loading(args: argparse.Namespace, dataset: Path) -> dict:
         paths = write_table(args.out, "loading", header, table, {"meta": meta, **result})
         print("wrote " + ", ".join(str(p) for p in paths))
     return result
+
+
+def _trace(args: argparse.Namespace, dataset: Path) -> dict:
+    """`--trace`: every method over the interleaved trace, per corpus mode; prints and writes trace.md/json/png."""
+    from . import trace
+    from .report import machine
+
+    if args.sweep or args.concurrency or args.chunk_tokens:
+        raise ValueError("--trace runs its own workload; drop --sweep/--concurrency/--chunk-tokens")
+    modes = [m.strip() for m in args.trace_modes.split(",") if m.strip()]
+    if not modes or any(m not in trace.MODES for m in modes):
+        raise ValueError(f"--trace-modes takes {', '.join(trace.MODES)} (comma-separated), got {args.trace_modes!r}")
+    repeats = 3 if args.repeats is None else args.repeats
+    if repeats < 1 or args.k < 1:
+        raise ValueError(f"--repeats and --k must be ≥ 1, got {repeats} and {args.k}")
+    specs = trace.parse_trace_methods(args.methods or trace.DEFAULT_METHODS)
+    if args.guard is not None:
+        specs = trace.with_guard(specs, args.guard, args.guard_ratio)
+    items, engine = _questions_and_engine(args, dataset)
+    results = []
+    for mode in modes:
+        result = trace.run(engine.model, engine.tokenizer, items, specs, mode=mode, repeats=repeats, k=args.k,
+                           max_new_tokens=args.max_new_tokens, seed=args.seed, lead_in=args.lead_in,
+                           show_progress=not args.quiet)
+        results.append(result)
+        print(f"\n{mode} corpus: {len(items)} questions × {repeats} requests, k={args.k}, {_dtype(engine)}; "
+              f"{machine()}")
+        print(trace.format_trace_table(result["summary"]))
+        if result["guard"]:
+            print(trace.format_guard_table(result["guard"]))
+    meta = {"dataset": str(dataset), "questions": len(items), "repeats": repeats, "k": args.k, "modes": modes,
+            "methods": [s.label for s in specs], "model": args.model, "dtype": _dtype(engine),
+            "lead_in": args.lead_in, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+            "guard": args.guard, "guard_ratio": args.guard_ratio, "machine": machine(),
+            "command": "cacheblend-rag bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""}
+    if args.out:
+        paths = trace.write_trace_outputs(meta, results, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return {"meta": meta, "results": results}
 
 
 def run_cli(args: argparse.Namespace) -> int:

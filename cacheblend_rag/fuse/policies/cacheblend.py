@@ -11,6 +11,7 @@ import torch
 from ...errors import ConfigError
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
+from ..guard import GuardedRows, QualityGuard, check_guard_options
 from ..hkvd import DEVIATIONS, SELECTIONS, WEIGHTS, chunk_heads, hkvd_score, top_rows
 from ..loop import LayerView
 from ..policy import FusionRequest, RowSelection
@@ -51,6 +52,8 @@ class CacheBlend:
     selection: str = "global"  # top tokens over all chunks, "per_chunk" (the same ratio in each), "random" (a control)
     chunk_head_tokens: int = 0  # always recompute the first n tokens of each reused chunk
     weight: str = "attention"  # weight deviations by the question's attention to each token ("none": plain HKVD)
+    guard: float | None = None  # quality guard threshold (fuse/guard.py): flag requests whose estimate exceeds it
+    guard_ratio: float | None = None  # the recompute ratio a flagged request escalates to (None: flag only)
     name: ClassVar[str] = "cacheblend"
 
     def __post_init__(self) -> None:
@@ -76,6 +79,7 @@ class CacheBlend:
                 raise ConfigError(f"{name} must be an integer ≥ 0, got {value!r}")
         if factor > 1.0 and self.filter_layer <= max(self.check_layers):
             raise ConfigError(f"filter_layer ({self.filter_layer}) must come after the check layers {self.check_layers}")
+        check_guard_options(self.guard, self.guard_ratio, self.recompute_ratio)
 
     @property
     def candidate_ratio(self) -> float:
@@ -91,11 +95,16 @@ class CacheBlend:
         reused = seq.reused
         num_reused = int(reused.sum())
         budget = round(self.recompute_ratio * num_reused)
+        guard = QualityGuard(self.guard, self.guard_ratio) if self.guard is not None else None
         if num_reused and budget >= num_reused:
-            return RowSelection(torch.ones_like(seq.cached))
+            if guard is not None:  # every reused row recomputed: nothing stays stale
+                guard.settle(0.0)
+            return GuardedRows(torch.ones_like(seq.cached), guard=guard)
         heads = chunk_heads(seq, self.chunk_head_tokens)
         if budget == 0:  # nothing to select (or nothing approximate at all): full reuse (plus chunk heads), no check
-            return RowSelection(~seq.cached | (heads & reused))
+            if guard is not None:  # nothing reused: exact; else no check layer runs to measure (not estimated)
+                guard.settle(0.0 if num_reused == 0 else None)
+            return GuardedRows(~seq.cached | (heads & reused), guard=guard)
         last_check = max(self.check_layers)
         if last_check >= adapter.num_layers:
             raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
@@ -103,7 +112,7 @@ class CacheBlend:
         # every row whose KV is not exact already, up to the last check layer
         return HKVDSelection(~seq.exact, last_check + 1, policy=self, heads=heads,
                              first_ratio=self.candidate_ratio if filters else self.recompute_ratio,
-                             filter_layer=self.filter_layer if filters else None)
+                             filter_layer=self.filter_layer if filters else None, guard=guard)
 
 
 @dataclass
@@ -115,6 +124,8 @@ class HKVDSelection(RowSelection):
     first_ratio: float = 0.0  # share of reused rows kept after the last check layer
     filter_layer: int | None = None  # where they are narrowed to the policy's recompute_ratio
     score: torch.Tensor | None = None
+    guard: QualityGuard | None = None  # per request; may escalate the budget at the last check layer
+    final_ratio: float | None = None  # share of reused rows kept from the filter layer on (the policy's, or escalated)
 
     def keep(self, view: LayerView) -> torch.Tensor | None:
         """Accumulate the deviation at check layers; select after the last; narrow at the filter layer."""
@@ -122,7 +133,10 @@ class HKVDSelection(RowSelection):
         if layer in policy.check_layers:  # every row but the exact ones is active here
             score = hkvd_score(view, policy.deviation, policy.weight)
             self.score = score if self.score is None else self.score + score
+            if self.guard is not None:
+                self.guard.observe(view)
             if layer + 1 == self.full_layers:
+                self._guard(seq)
                 return self._kept(self.select(self.score, seq, self.first_ratio), view)
             return None
         if layer != self.filter_layer:
@@ -130,7 +144,22 @@ class HKVDSelection(RowSelection):
         # the same score over the candidates only: deviation at this layer × the question's attention here
         score = torch.full(seq.cached.shape, -math.inf, device=view.rows.device)
         score[view.rows] = hkvd_score(view, policy.deviation, policy.weight)[view.rows]
-        return self._kept(self.select(score, seq, policy.recompute_ratio), view)
+        ratio = policy.recompute_ratio if self.final_ratio is None else self.final_ratio
+        return self._kept(self.select(score, seq, ratio), view)
+
+    def _guard(self, seq: FusedSequence) -> None:
+        """Estimate from the rows the policy's ratio would recompute; escalate both budgets when flagged."""
+        if self.guard is None:
+            return
+        ratio = self.guard.decide(self.select(self.score, seq, self.policy.recompute_ratio), seq)
+        if ratio is not None:
+            self.final_ratio = ratio
+            filters = self.filter_layer is not None
+            self.first_ratio = min(1.0, self.policy.candidate_factor * ratio) if filters else ratio
+
+    def report(self) -> dict:
+        """The guard's reading (empty without a guard)."""
+        return self.guard.report() if self.guard is not None else {}
 
     def select(self, score: torch.Tensor, seq: FusedSequence, ratio: float) -> torch.Tensor:
         """(N,) bool: the reused rows to keep, the top `ratio` by score (a subclass may choose otherwise)."""
