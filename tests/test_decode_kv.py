@@ -115,3 +115,16 @@ def test_unknown_decoder_is_a_config_error(tiny):
     _, model, tokenizer = tiny
     with pytest.raises(ConfigError, match="decoder"):
         CacheBlendEngine(model, tokenizer, decoder="fast")
+
+
+def test_decode_bench_reports_both_decoders_and_the_bound(tiny, musique):
+    from cacheblend_rag.bench import decode_bench
+
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer)
+    result = decode_bench.run(engine, musique[:1], lengths=(64, 200), new_tokens=4, batches=(1, 2), repeats=1)
+    rows = result["rows"]
+    assert [r["prompt_tokens"] >= t for r, t in zip(rows, (64, 200))] == [True, True]
+    assert all(r["identical"] and r["new_tokens"] == 4 and r["bound_ms_per_token"] > 0 for r in rows)
+    assert [b["batch"] for b in result["batches"]] == [1, 2]
+    assert "identical greedy tokens" in decode_bench.format_table(result)
