@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .decode.generate import SamplingOptions, cut_at_stop, decode
+from .decode.kv_decode import KVDecoder, KVSequence, kv_decode
 from .decode.stream import stream_decode
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import ChunkCache
@@ -44,6 +45,9 @@ from .store.codecs import CODECS
 logger = logging.getLogger(__name__)
 
 LEAD_INS = ("prefix", "bos", "none")
+# "kv": the engine's own decode over a preallocated copy of the fused KV through the model adapter (decode.kv_decode);
+# "hf": HF generate over a DynamicCache built from it (decode.generate), the reference: same greedy tokens, slower
+DECODERS = ("kv", "hf")
 CHUNK_INDEX_FILE = "chunk-index.sqlite"  # beside the disk tier's entries: chunk texts by id, for prompt matching
 _CONTEXT_CHARS = 1500  # a prompt this long with no stored chunk in it probably carries context we missed
 _warned_no_match = False
@@ -97,6 +101,7 @@ class CacheBlendEngine:
         model_name: str | None = None,
         chunk_index: ChunkIndex | str | os.PathLike[str] | None = None,
         kv_codec: str = "fp16",
+        decoder: str = "kv",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -104,6 +109,10 @@ class CacheBlendEngine:
         _check_kv_codec(kv_codec, kv_store)
         self.kv_store: KVStore = open_store(kv_store, codec=kv_codec)
         self.template = template or PromptTemplate()
+        if decoder not in DECODERS:
+            raise ConfigError(f"decoder must be one of {DECODERS}, got {decoder!r} (kv: the fast path, hf: HF generate)")
+        self.decoder = decoder
+        self._kv_decoder = KVDecoder(self.adapter, tokenizer)
         if lead_in not in LEAD_INS:
             raise ConfigError(f"lead_in must be one of {LEAD_INS}, got {lead_in!r}")
         self.lead_in = lead_in
@@ -427,10 +436,55 @@ class CacheBlendEngine:
         return self._stream(lambda: self.prefill_prompt(prompt, method, recompute_ratio, store_holes=False,
                                                         **policy_options), sampling, stats)
 
+    def start(
+        self,
+        chunks: str | Sequence[str | Chunk],
+        question: str,
+        method: str | Policy = "cacheblend",
+        recompute_ratio: float | str | None = None,
+        *,
+        sampling: SamplingOptions | None = None,
+        template: PromptTemplate | None = None,
+        **options,
+    ) -> tuple[KVSequence, RequestStats]:
+        """Fused prefill, then a sequence ready to decode with `advance` (alone or batched with others), and the
+        prefill's stats; keywords as `generate`. Needs the default decoder ("kv")."""
+        sampling, policy_options = SamplingOptions.split(options, sampling)
+        return self._start(lambda: self.prefill(chunks, question, method, recompute_ratio, template=template,
+                                                store_holes=False, **policy_options), sampling)
+
+    def start_prompt(
+        self,
+        prompt: Prompt,
+        method: str | Policy = "cacheblend",
+        recompute_ratio: float | str | None = None,
+        *,
+        sampling: SamplingOptions | None = None,
+        **options,
+    ) -> tuple[KVSequence, RequestStats]:
+        """`start` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
+        sampling, policy_options = SamplingOptions.split(options, sampling)
+        return self._start(lambda: self.prefill_prompt(prompt, method, recompute_ratio, store_holes=False,
+                                                       **policy_options), sampling)
+
+    def advance(self, sequences: Sequence[KVSequence]) -> list[str]:
+        """One decode step for every sequence at once (each must be unfinished): the text piece each hands out
+        now (stop strings already cut); `seq.finished` / `seq.finish_reason` say which ended."""
+        with self._lock:
+            return self._kv_decoder.advance(sequences)
+
+    def _start(self, run_prefill, sampling: SamplingOptions) -> tuple[KVSequence, RequestStats]:
+        if self.decoder != "kv":
+            raise ConfigError(f'batched decoding needs decoder="kv", this engine uses {self.decoder!r}')
+        with self._decodable(run_prefill, sampling) as pre:
+            seq = self._kv_decoder.sequence(pre.token_ids, pre.keys, pre.values, sampling)
+        return seq, pre.stats
+
     def _generate(self, run_prefill, sampling: SamplingOptions) -> Generation:
         with self._decodable(run_prefill, sampling) as pre:
             started = time.perf_counter()
-            new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling)
+            model, decode_fn = self._decode_fn()
+            new_ids = decode_fn(model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling)
             decode_s = time.perf_counter() - started
         text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
         stats = dataclasses.replace(pre.stats, num_generated=int(new_ids.numel()),
@@ -438,8 +492,13 @@ class CacheBlendEngine:
         return Generation(text.strip(), new_ids.tolist(), pre.stats.ttft_s, stats, pre.logits)
 
     def _stream(self, run_prefill, sampling: SamplingOptions, stats: dict | None) -> Iterator[str]:
-        return stream_decode(lambda: self._decodable(run_prefill, sampling), self.model, self.tokenizer, sampling,
-                             stats)
+        model, decode_fn = self._decode_fn()
+        return stream_decode(lambda: self._decodable(run_prefill, sampling), model, self.tokenizer, sampling,
+                             stats, decode_fn)
+
+    def _decode_fn(self):
+        """(first argument, function) of the chosen decoder."""
+        return (self.adapter, kv_decode) if self.decoder == "kv" else (self.model, decode)
 
     @contextmanager
     def _decodable(self, run_prefill, sampling: SamplingOptions) -> Iterator[Prefill]:

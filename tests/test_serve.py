@@ -113,7 +113,9 @@ def server(tmp_path_factory):
                              "--home", str(home), "--collection", COLLECTION, "--quiet", "--dtype", "float32",
                              "--device", "cpu"], capture_output=True, text=True, timeout=600, env=_env(), cwd=REPO)
     assert ingest.returncode == 0, ingest.stderr
-    srv = ServerProcess(home, "--api-key", KEY, "--max-queue", "1", "--timeout", "300")
+    # one request decodes at a time (--max-batch 1), so the queue tests can fill the queue with two requests;
+    # continuous batching has its own server in test_serve_batching.py
+    srv = ServerProcess(home, "--api-key", KEY, "--max-queue", "1", "--max-batch", "1", "--timeout", "300")
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
 

@@ -8,6 +8,8 @@
     cacheblend-rag bench --limit 3 --breakdown --out bench-breakdown         # where the prefill time goes
     cacheblend-rag bench --limit 6 --loading --dtype bfloat16                # KV in memory vs on disk, "auto"
     cacheblend-rag bench --trace --limit 20 --repeats 3 --k 6 --guard 0.05   # chunks recurring in new company
+    cacheblend-rag bench --limit 8 --decode --out bench-decode               # decode ms/token: ours vs HF generate
+    cacheblend-rag bench --limit 8 --serve-load --requests 16 --out bench-serve   # the server under HTTP load
 
 The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
 folder. Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under
@@ -56,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes.add_argument("--breakdown", action="store_true",
                        help="instead, time and profile each engine method's prefill: per-layer times, rows and "
                        "attention pairs, and attention / matmul / other shares (breakdown.md)")
+    modes.add_argument("--decode", action="store_true",
+                       help="instead, decode ms/token of the engine's decoder vs HF generate after fused prompts of "
+                       "~0.5k/2k/3.7k/7k tokens, identical greedy tokens checked, beside the memory bound; and "
+                       "batched steps (decode.md)")
+    modes.add_argument("--serve-load", action="store_true",
+                       help="instead, start `cacheblend-rag serve` and drive it over HTTP with the openai SDK: "
+                       "--concurrency clients (default 8), --requests requests, --chunks passages each: continuous "
+                       "batching vs one at a time, CacheBlend vs full prefill; then an overload run (serve_load.md)")
     modes.add_argument("--loading", action="store_true",
                        help="instead, TTFT with the KV in memory vs on disk (pipelined and on demand, page cache "
                        f"dropped), and recompute_ratio='auto' vs fixed ratios; CacheBlend at the first --ratios "
@@ -109,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                         help=f"write the results here (default {DEFAULT_OUT}; '' for none)")
+    parser.add_argument("--requests", type=int, default=16, help="requests per --serve-load run (default 16)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 
@@ -146,6 +157,10 @@ def execute(args: argparse.Namespace) -> dict:
     dataset = _dataset(args)
     if args.breakdown:
         return _breakdown(args, dataset)
+    if args.decode:
+        return _decode(args, dataset)
+    if args.serve_load:
+        return _serve_load(args, dataset)
     if args.loading:
         return _loading(args, dataset)
     if args.trace:
@@ -239,6 +254,43 @@ def _breakdown(args: argparse.Namespace, dataset: Path) -> dict:
         paths = write_table(args.out, "breakdown", header, table, {"meta": meta, "summary": summary})
         print("wrote " + ", ".join(str(p) for p in paths))
     return summary
+
+
+def _decode(args: argparse.Namespace, dataset: Path) -> dict:
+    """`--decode`: ms/token of both decoders per prompt length, and batched steps; prints and writes them."""
+    from . import decode_bench
+    from .report import machine, write_table
+
+    items, engine = _questions_and_engine(args, dataset)
+    result = decode_bench.run(engine, items, new_tokens=args.max_new_tokens, repeats=args.repeats)
+    table = decode_bench.format_table(result)
+    header = f"greedy decode after a CacheBlend prefill, {args.max_new_tokens} new tokens, best of {args.repeats}; {machine()}"
+    print(f"\n{header}\n{table}")
+    if args.out:
+        paths = write_table(args.out, "decode", header, table, {"meta": {"dataset": str(dataset), "machine": machine()},
+                                                                **result})
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return result
+
+
+def _serve_load(args: argparse.Namespace, dataset: Path) -> dict:
+    """`--serve-load`: the server under load over HTTP; prints and writes the tables."""
+    from .datasets import load_dataset
+    from .load import format_serve_load, run_serve_load
+    from .report import machine, write_table
+
+    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
+    result = run_serve_load(items, model=args.model, dtype=args.dtype, num_chunks=args.chunks,
+                            concurrency=args.concurrency or 8, num_requests=args.requests,
+                            max_tokens=args.max_new_tokens)
+    table = format_serve_load(result)
+    header = (f"{result['requests']} requests from {result['concurrency']} openai SDK clients over loopback HTTP, "
+              f"{args.chunks} passages each, {args.max_new_tokens} new tokens; {machine()}")
+    print(f"\n{header}\n{table}")
+    if args.out:
+        paths = write_table(args.out, "serve_load", header, table, {"meta": {"dataset": str(dataset)}, **result})
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return result
 
 
 def _loading(args: argparse.Namespace, dataset: Path) -> dict:

@@ -71,3 +71,186 @@ def run_load(engine: CacheBlendEngine, questions: list[tuple[list[str], str]], s
             "records": rows,
         }
     return out
+
+
+# ---- over HTTP: the real server, real clients ----------------------------------------------------------------
+
+
+async def _http_requests(url: str, model: str, requests: list[tuple[list[str], str]], concurrency: int,
+                         max_tokens: int, method: str, api_key: str = "bench") -> list[dict]:
+    """Send every request (documents, question) from `concurrency` asyncio clients of the openai SDK, streaming;
+    one record per request: ttft_s (first content piece), latency_s, status (200, 429 or the error)."""
+    import asyncio
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=3600)
+    pending = list(enumerate(requests))
+    records: list[dict] = []
+
+    async def worker() -> None:
+        while pending:
+            i, (docs, question) = pending.pop(0)
+            sent = time.perf_counter()
+            record = {"request": i, "ttft_s": None, "status": 200, "tokens": 0}
+            try:
+                stream = await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+                    stream=True, stream_options={"include_usage": True},
+                    extra_body={"documents": docs, "cacheblend": {"method": method}})
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content and record["ttft_s"] is None:
+                        record["ttft_s"] = time.perf_counter() - sent
+                    if chunk.usage is not None:
+                        record["tokens"] = chunk.usage.completion_tokens
+            except openai.RateLimitError:
+                record["status"] = 429
+            except openai.APIError as e:  # counted as failed; the run goes on
+                record["status"] = f"{type(e).__name__}: {e}"
+            record["latency_s"] = time.perf_counter() - sent
+            records.append(record)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await client.close()
+    return records
+
+
+def summarize_http(records: list[dict], wall_s: float) -> dict:
+    """Requests/min, p50/p95 TTFT and latency of the completed requests; failed and 429 counts."""
+    ok = [r for r in records if r["status"] == 200]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    latency = [r["latency_s"] for r in ok]
+    rejected = [r["latency_s"] for r in records if r["status"] == 429]
+    return {
+        "requests": len(records), "completed": len(ok), "rejected_429": len(rejected),
+        "failed": len(records) - len(ok) - len(rejected), "wall_s": wall_s,
+        "requests_per_min": 60.0 * len(ok) / wall_s if wall_s else None,
+        "ttft_p50_s": percentile(ttft, 0.5) if ttft else None, "ttft_p95_s": percentile(ttft, 0.95) if ttft else None,
+        "latency_p50_s": percentile(latency, 0.5) if latency else None,
+        "latency_p95_s": percentile(latency, 0.95) if latency else None,
+        "max_429_s": max(rejected) if rejected else None,
+        "tokens": sum(r["tokens"] for r in ok),
+    }
+
+
+def run_http_load(url: str, model: str, requests: list[tuple[list[str], str]], *, concurrency: int,
+                  max_tokens: int = 32, method: str = "cacheblend", api_key: str = "bench") -> dict:
+    """Drive a running server: `summarize_http` of every request, plus the records."""
+    import asyncio
+
+    started = time.perf_counter()
+    records = asyncio.run(_http_requests(url, model, requests, concurrency, max_tokens, method, api_key))
+    return {**summarize_http(records, time.perf_counter() - started), "records": records}
+
+
+def rss_peak_mb(pid: int) -> float | None:
+    """Peak resident memory of a process (VmHWM), in MB; None where /proc has no such field."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+class ServerRun:
+    """`cacheblend-rag serve` in a subprocess on a free loopback port (a context manager; SIGTERM on exit)."""
+
+    def __init__(self, home, model: str, dtype: str, *args: str) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = model
+        cmd = [sys.executable, "-m", "cacheblend_rag.cli", "serve", "--port", str(port), "--home", str(home),
+               "--model", model, "--dtype", dtype, "--timeout", "3600", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def __enter__(self) -> "ServerRun":
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not become healthy in 600 s")
+            time.sleep(0.5)
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(300)
+        except Exception:  # noqa: BLE001 - a stuck server is killed, the bench goes on
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def run_serve_load(items: list[dict], *, model: str = "smollm2-135m", dtype: str = "auto", num_chunks: int = 6,
+                   concurrency: int = 8, num_requests: int = 16, max_tokens: int = 32,
+                   methods: tuple[str, ...] = ("cacheblend", "full_prefill"), overload_clients: int = 16,
+                   overload_queue: int = 2) -> dict:
+    """The server under load over HTTP: continuous batching (--max-batch 8) vs one request at a time
+    (--max-batch 1), each method, same requests; then an overload run (more clients than the queue)."""
+    import tempfile
+    from pathlib import Path
+
+    from .. import settings
+    from .datasets import passages_of
+
+    requests = [(passages_of(items[i % len(items)], num_chunks), items[i % len(items)]["question"])
+                for i in range(num_requests)]
+    out: dict = {"concurrency": concurrency, "requests": num_requests, "max_tokens": max_tokens, "runs": []}
+    with tempfile.TemporaryDirectory(prefix="cacheblend-serve-load-") as tmp:
+        home = Path(tmp)
+        (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
+        for label, args in (("batching (max-batch 8)", ("--max-batch", "8")),
+                            ("one at a time (max-batch 1)", ("--max-batch", "1"))):
+            with ServerRun(home, model, dtype, *args, "--max-queue", str(num_requests)) as server:
+                # warm-up: every request's passages stored (the KV tier is on disk under the shared home)
+                run_http_load(server.url, model, requests, concurrency=concurrency, max_tokens=1)
+                for method in methods:
+                    result = run_http_load(server.url, model, requests, concurrency=concurrency,
+                                           max_tokens=max_tokens, method=method)
+                    out["runs"].append({"server": label, "method": method, **result})
+                out.setdefault("rss_peak_mb", {})[label] = rss_peak_mb(server.proc.pid)
+        with ServerRun(home, model, dtype, "--max-batch", "2", "--max-queue", str(overload_queue)) as server:
+            burst = [requests[i % len(requests)] for i in range(overload_clients)]
+            result = run_http_load(server.url, model, burst, concurrency=overload_clients, max_tokens=8)
+            out["overload"] = {"clients": overload_clients, "max_queue": overload_queue, "max_batch": 2, **result,
+                               "rss_peak_mb": rss_peak_mb(server.proc.pid)}
+    return out
+
+
+def format_serve_load(result: dict) -> str:
+    """Markdown tables of a `run_serve_load` result."""
+    def f(x, unit="s"):
+        return "–" if x is None else f"{x:.1f}{unit}" if unit else f"{x:.1f}"
+
+    lines = ["| server | method | completed | failed | requests/min | TTFT p50 | TTFT p95 | latency p50 | latency p95 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["runs"]:
+        lines.append(f"| {r['server']} | {r['method']} | {r['completed']}/{r['requests']} | {r['failed']} | "
+                     f"{f(r['requests_per_min'], '')} | {f(r['ttft_p50_s'])} | {f(r['ttft_p95_s'])} | "
+                     f"{f(r['latency_p50_s'])} | {f(r['latency_p95_s'])} |")
+    o = result.get("overload")
+    if o:
+        lines += ["", f"overload: {o['clients']} clients at once, --max-queue {o['max_queue']} --max-batch "
+                  f"{o['max_batch']}: {o['completed']} completed, {o['rejected_429']} got 429 (slowest 429 after "
+                  f"{f(o['max_429_s'])}), {o['failed']} failed; server RSS peak {f(o['rss_peak_mb'], ' MB')}"]
+    rss = result.get("rss_peak_mb") or {}
+    if rss:
+        lines.append("server RSS peak: " + ", ".join(f"{k} {f(v, ' MB')}" for k, v in rss.items()))
+    return "\n".join(lines)

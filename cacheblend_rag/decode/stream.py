@@ -40,12 +40,14 @@ def token_streamer(tokenizer):
 
 
 def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], model, tokenizer,
-                  sampling: SamplingOptions, stats: dict | None = None) -> Iterator[str]:
+                  sampling: SamplingOptions, stats: dict | None = None,
+                  decode_fn: Callable[..., Any] = decode) -> Iterator[str]:
     """Yield the text pieces of the answer to the prefill that `open_prefill()` enters (on the worker thread).
 
     `stats`, if given, gets the prefill's stats as soon as the first piece can arrive, then `num_generated` and
     `timing.decode_s`. Closing the generator early (a `break`, a disconnected client) stops decoding at the next
-    token and waits for the worker.
+    token and waits for the worker. `decode_fn` has `decode.generate.decode`'s signature (`model` is its first
+    argument: the HF model for that one, the adapter for `kv_decode.kv_decode`).
     """
     streamer = token_streamer(tokenizer)
     errors: queue.Queue[BaseException] = queue.Queue()
@@ -61,7 +63,7 @@ def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], model
                     streamer.end()
                     return
                 started = time.perf_counter()
-                new_ids = decode(model, tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
+                new_ids = decode_fn(model, tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
                 if stats is not None:
                     stats["num_generated"] = int(new_ids.numel())
                     stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)

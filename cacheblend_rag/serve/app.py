@@ -26,9 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CacheBlendError, ChunkError, ConfigError, MissingDependencyError, PromptTooLongError
 from .metrics import ServerMetrics
-from .runner import EngineCall, Retriever, Sampling, run_job
+from .runner import EngineCall, Retriever, Sampling, make_scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
-from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout, Scheduler
+from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,15 @@ class ServeConfig:
     chroma_host: str | None = None
     chroma_port: int | None = None
     poll_s: float = 0.5  # how often a waiting non-streaming request checks that its client is still there
+    max_batch: int = 8  # sequences decoded together (continuous batching); 1: one request at a time
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be ≥ 1, got {self.max_queue}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch must be ≥ 1, got {self.max_batch}")
         if self.default_max_tokens < 1:
             raise ConfigError(f"default_max_tokens must be ≥ 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key:
@@ -157,7 +160,7 @@ class _Server:
     def __init__(self, engine, config: ServeConfig) -> None:
         self.engine, self.config = engine, config
         self.retriever = Retriever(config.home, config.chroma_host, config.chroma_port)
-        self.scheduler = Scheduler(lambda job: run_job(engine, self.retriever, job), config.max_queue)
+        self.scheduler = make_scheduler(engine, self.retriever, config.max_queue, config.max_batch)
         self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size)
         self.created = int(time.time())
         self._mean_latency_s: float | None = None

@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; more get "
                    "429 (default 16)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together, continuous batching "
+                   "(default 8; 1: one at a time)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take, queueing included "
                    "(default 300)")
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens when a request sets none (default 256)")
@@ -64,7 +66,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
     config = ServeConfig(model_name=served_name(args.model, args.served_model_name),
                          api_key=settings.api_key(args.api_key), max_queue=args.max_queue, timeout_s=args.timeout,
-                         default_max_tokens=args.max_tokens, home=args.home, chroma_host=args.chroma_host,
+                         default_max_tokens=args.max_tokens, max_batch=args.max_batch, home=args.home,
+                         chroma_host=args.chroma_host,
                          chroma_port=args.chroma_port)
     if not _is_loopback(args.host) and config.api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import time
+
 from ..fuse.layout import PromptTemplate
-from .scheduler import Done, Failed, Job, Piece
+from .scheduler import BatchScheduler, Done, Failed, Job, Piece, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -106,3 +108,66 @@ def run_job(engine, retriever: Retriever, job: Job) -> None:
         return
     generated = int(stats.get("num_generated", 0))
     job.emit(Done(stats, "length" if generated >= job.call.sampling.max_new_tokens else "stop"))
+
+
+# ---- continuous batching: a request is started (prefill) once, then advanced one token per batched step ----------
+
+
+@dataclass(eq=False)
+class ActiveRequest:
+    """A request in the running decode batch: its job, its decode sequence and its stats so far."""
+
+    job: Job
+    sequence: object  # decode.kv_decode.KVSequence
+    stats: dict
+    decode_started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        """Whether its answer is complete (EOS, a stop string or max_tokens)."""
+        return self.sequence.finished
+
+    def done(self) -> Done:
+        """The Done event with the request's final stats."""
+        seq = self.sequence
+        self.stats["num_generated"] = len(seq.generated)
+        self.stats["timing"] = dict(self.stats.get("timing", {}), decode_s=time.perf_counter() - self.decode_started)
+        return Done(self.stats, "length" if seq.finish_reason == "length" else "stop")
+
+
+def start_job(engine, retriever: Retriever, job: Job) -> ActiveRequest:
+    """Prefill one job (on the worker thread, under the engine's lock): a request ready to join the batch."""
+    call, s = job.call, job.call.sampling
+    sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                    stop=list(s.stop) or None, seed=s.seed)
+    stats: dict = {}
+    if not call.documents and call.retrieval is None:
+        prompt = list(call.messages) if call.messages else call.question
+        seq, pre_stats = engine.start_prompt(prompt, call.method, call.recompute_ratio, **sampling,
+                                             **call.policy_options)
+    else:
+        chunks = list(call.documents)
+        if call.retrieval is not None:
+            collection, k = call.retrieval
+            retrieved = retriever.query(collection, call.question, k)
+            stats["num_retrieved"] = len(retrieved)
+            chunks += retrieved
+        template = PromptTemplate(system=call.system) if call.system else None
+        seq, pre_stats = engine.start(chunks, call.question, call.method, call.recompute_ratio, template=template,
+                                      **sampling, **call.policy_options)
+    stats.update(pre_stats.as_dict())
+    return ActiveRequest(job, seq, stats)
+
+
+def step_jobs(engine, active: Sequence[ActiveRequest]) -> list[str]:
+    """One decode step for every active request; the text piece of each."""
+    return engine.advance([a.sequence for a in active])
+
+
+def make_scheduler(engine, retriever: Retriever, max_queue: int, max_batch: int = 8):
+    """The continuous-batching scheduler on the engine's own decoder; one request at a time (HF generate) when
+    the engine decodes with decoder="hf"."""
+    if getattr(engine, "decoder", "hf") != "kv":
+        return Scheduler(lambda job: run_job(engine, retriever, job), max_queue)
+    return BatchScheduler(lambda job: start_job(engine, retriever, job), lambda active: step_jobs(engine, active),
+                          max_queue, max_batch)

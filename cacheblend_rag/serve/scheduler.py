@@ -10,8 +10,15 @@ The engine serves one request at a time (it holds a lock), so one worker runs jo
 loop only queues, waits and writes bytes, so /health, /metrics and 429s answer while a request runs. A job that
 is cancelled (client gone, timeout) stops at its next piece; one cancelled while queued is skipped.
 
-Phase 2 (continuous batching) replaces `Scheduler` with one that prefills a job and then adds it to a running
-decode batch: the same `submit`/`depth`/`batch_size`/`stop` and the same job events, so the routes do not change.
+`BatchScheduler` (continuous batching) has the same `submit`/`depth`/`batch_size`/`stop` and the same job events,
+so the routes do not change; its worker interleaves prefills and decode steps:
+
+    loop:  room in the batch and a job waits? ─▶ prefill it (the engine's lock), it joins the batch
+           drop every job that must stop (cancelled, timed out, client gone): its slot is free now
+           one decode step for every active job ─▶ Piece per job; a finished one gets Done and leaves
+
+One prefill at a time is fine on a CPU (a prefill uses every core); a long prefill pauses the running decodes
+for its duration, which is what a single engine thread can do.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -174,3 +181,115 @@ class Scheduler:
                 job.emit(Failed(e))
             finally:
                 self._running = 0
+
+
+class Decoding(Protocol):
+    """What `BatchScheduler` needs of a started request (runner.ActiveRequest)."""
+
+    job: Job
+
+    @property
+    def finished(self) -> bool: ...
+
+    def done(self) -> Done: ...
+
+
+class BatchScheduler:
+    """A bounded FIFO of jobs and one worker thread: a job is prefilled by `start(job)` and joins the running
+    decode batch (at most `max_batch`); `step(active)` advances every active job by one token and returns each
+    one's text piece."""
+
+    def __init__(self, start: Callable[[Job], Decoding], step: Callable[[list], list[str]], max_queue: int,
+                 max_batch: int = 8) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be ≥ 1, got {max_queue}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
+        self._start, self._step = start, step
+        self.max_batch = max_batch
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._thread: threading.Thread | None = None
+        self._active: list[Decoding] = []
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="cacheblend-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; raises QueueFull when `max_queue` jobs already wait."""
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+
+    def depth(self) -> int:
+        """Jobs waiting for their prefill."""
+        return self._queue.qsize()
+
+    def batch_size(self) -> int:
+        """Jobs decoding now."""
+        return len(self._active)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Let the worker finish the queued and running jobs, then end it."""
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def _admit(self, job: Job) -> None:
+        reason = job.should_stop()
+        if reason is not None:  # cancelled or timed out while it waited
+            job.emit(Failed(reason))
+            return
+        job.started = time.monotonic()
+        try:
+            active = self._start(job)
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to its request, the worker lives on
+            job.emit(Failed(e))
+            return
+        if active.finished:  # e.g. nothing left to generate
+            job.emit(active.done())
+        else:
+            self._active.append(active)
+
+    def _work(self) -> None:
+        stopping = False
+        while True:
+            if not stopping and len(self._active) < self.max_batch:
+                try:  # an idle worker waits for work; a busy one only looks
+                    job = self._queue.get(block=not self._active)
+                except queue.Empty:
+                    job = None
+                if job is _STOP:
+                    stopping = True
+                elif job is not None:
+                    self._admit(job)
+            # a job that must stop frees its slot before the step (the batch shrinks before anyone hears of it)
+            reasons = [a.job.should_stop() for a in self._active]
+            stopped = [(a, r) for a, r in zip(self._active, reasons) if r is not None]
+            running = self._active = [a for a, r in zip(self._active, reasons) if r is None]
+            for active, reason in stopped:
+                logger.debug("request stopped early: %s", reason)
+                active.job.emit(Failed(reason))
+            if not running:
+                if stopping:
+                    return
+                continue
+            try:
+                pieces = self._step(running)
+            except BaseException as e:  # noqa: BLE001 - a failed step fails the jobs in it, not the server
+                logger.exception("a decode step failed")
+                for active in running:
+                    active.job.emit(Failed(e))
+                self._active = []
+                continue
+            self._active = [a for a in running if not a.finished]
+            for active, piece in zip(running, pieces):
+                if piece:
+                    active.job.emit(Piece(piece))
+                if active.finished:
+                    active.job.emit(active.done())

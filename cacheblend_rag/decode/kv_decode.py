@@ -1,0 +1,234 @@
+"""Decoding over the fused KV through the model adapter, without copying or growing a cache per step.
+
+Each sequence owns one preallocated K and one V buffer, (layers, prompt + max_new_tokens, kv_heads, d), filled
+once from the prefill's per-layer keys (after RoPE) and values. A step runs the model one token per sequence:
+
+    embed ─▶ per layer: project_qkv ─▶ rope at each row's position ─▶ write k, v at the sequence's next slot
+            ─▶ attend over the sequence's filled rows ─▶ finish_layer            ─▶ logits (B, vocab)
+
+Projections, MLP and LM head run batched over the B rows of the step (one per sequence); attention runs per
+sequence over its own rows, so sequences of different lengths advance together (continuous batching).
+
+As HF `generate` over the prefill's cache does (the reference path, `decode.generate.decode`), the buffer gets the
+first N-1 prompt rows and the first step recomputes the last prompt token; greedy tokens are then the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .generate import SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+
+class IncrementalText:
+    """Text of a growing list of token ids, handed out piece by piece as each token arrives (as the streamer
+    does: only an incomplete UTF-8 sequence waits); decoding restarts after a newline so each call stays cheap."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._printed = 0
+
+    def push(self, token_id: int) -> str:
+        """The new printable text after `token_id`."""
+        self._ids.append(token_id)
+        text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+        stable = len(text.rstrip("\ufffd"))
+        piece = text[self._printed:stable]
+        self._printed = max(self._printed, stable)
+        if text.endswith("\n"):
+            self._ids, self._printed = [], 0
+        return piece
+
+
+class StopFilter:
+    """Cuts a stream of text pieces at the first stop string, holding back enough text to see one that spans
+    pieces."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.buffer = ""
+        self.found = False
+
+    def push(self, piece: str) -> str:
+        """Text that is safe to hand out now; sets `found` once a stop string appeared (the text ends before it)."""
+        if not self.stop:
+            return piece
+        self.buffer += piece
+        cuts = [i for i in (self.buffer.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            self.found = True
+            out, self.buffer = self.buffer[:min(cuts)], ""
+            return out
+        if len(self.buffer) > self.hold:
+            cut = len(self.buffer) - self.hold
+            out, self.buffer = self.buffer[:cut], self.buffer[cut:]
+            return out
+        return ""
+
+    def flush(self) -> str:
+        """The held-back text, at the end of the answer."""
+        out, self.buffer = self.buffer, ""
+        return out
+
+
+class KVSequence:
+    """One sequence's decode state: its K/V buffers, how many rows are filled, the next input token, sampling,
+    and the answer so far (token ids, text pieces, stop strings, EOS)."""
+
+    def __init__(self, decoder: "KVDecoder", token_ids: torch.Tensor, keys: Sequence[torch.Tensor],
+                 values: Sequence[torch.Tensor], settings: SamplingOptions, tokenizer=None) -> None:
+        n = int(token_ids.numel())
+        capacity = n + settings.max_new_tokens
+        shape = (decoder.num_layers, capacity, decoder.num_kv_heads, decoder.head_dim)
+        self.k = torch.empty(shape, dtype=decoder.dtype, device=decoder.device)
+        self.v = torch.empty(shape, dtype=decoder.dtype, device=decoder.device)
+        for layer, (k, v) in enumerate(zip(keys, values)):  # the one copy: prompt rows 0..N-2
+            self.k[layer, :n - 1].copy_(k[:n - 1])
+            self.v[layer, :n - 1].copy_(v[:n - 1])
+        self.length = n - 1  # filled rows; the next token is written at this row (its position)
+        self.next_token = int(token_ids[-1])
+        self.settings = settings
+        self.eos = decoder.eos_token_id
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+        self.generator = None
+        if settings.seed is not None and settings.temperature > 0:
+            self.generator = torch.Generator(device=decoder.device).manual_seed(settings.seed)
+        self._text = IncrementalText(tokenizer) if tokenizer is not None else None
+        self._stop = StopFilter(settings.stop)
+        self._raw = ""  # all text so far, for stop strings when no one reads the pieces
+
+    @property
+    def finished(self) -> bool:
+        """Whether the answer is complete."""
+        return self.finish_reason is not None
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from this sequence's (vocab,) logits: argmax, or sampled with temperature/top_p."""
+        s = self.settings
+        if s.temperature <= 0:
+            return int(torch.argmax(logits))
+        scores = logits.float() / s.temperature
+        if s.top_p < 1.0:  # HF's TopPLogitsWarper: drop the low tail whose mass is ≤ 1 - top_p, keep ≥ 1 token
+            sorted_scores, order = torch.sort(scores, descending=False)
+            tail = sorted_scores.softmax(-1).cumsum(-1) <= (1 - s.top_p)
+            tail[-1] = False
+            scores = scores.masked_fill(tail.scatter(0, order, tail), float("-inf"))
+        probs = scores.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def accept(self, token_id: int) -> str:
+        """Record the chosen token; returns the text to hand out now (stop strings cut) and sets finish_reason."""
+        self.generated.append(token_id)
+        self.next_token = token_id
+        piece = ""
+        if token_id == self.eos:
+            self.finish_reason = "stop"
+        elif self._text is not None:
+            piece = self._stop.push(self._text.push(token_id))
+            if self._stop.found:
+                self.finish_reason = "stop"
+        if self.finish_reason is None and len(self.generated) >= self.settings.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None and not self._stop.found:
+            piece += self._stop.flush()
+        return piece
+
+
+class KVDecoder:
+    """The per-step forward of a batch of `KVSequence`s through the model adapter."""
+
+    def __init__(self, adapter, tokenizer) -> None:
+        self.adapter = adapter
+        self.tokenizer = tokenizer
+        self.num_layers = adapter.num_layers
+        self.num_heads = adapter.num_heads
+        self.num_kv_heads = adapter.num_kv_heads
+        self.head_dim = adapter.head_dim
+        self.dtype = adapter.dtype
+        self.device = adapter.device
+        self.eos_token_id = tokenizer.eos_token_id
+        # per-layer facts, read once rather than every step
+        self.scales = [adapter.scaling(i) for i in range(self.num_layers)]
+        self.windows = [adapter.sliding_window(i) for i in range(self.num_layers)]
+        self.gqa = self.num_heads != self.num_kv_heads
+
+    def sequence(self, token_ids: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                 settings: SamplingOptions, text: bool = True) -> KVSequence:
+        """A sequence ready to decode after the prompt `token_ids` (N,) whose fused KV is given."""
+        return KVSequence(self, token_ids, keys, values, settings, self.tokenizer if text else None)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (1, H, d) over k, v (n, KVH, d) → (1, H, d); one query sees every key (they are all before it)."""
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], scale=scale, enable_gqa=self.gqa)
+        return out[0].transpose(0, 1)
+
+    @torch.inference_mode()
+    def step(self, seqs: Sequence[KVSequence]) -> torch.Tensor:
+        """Advance every sequence by its next token: their KV grows by one row; returns the (B, vocab) logits."""
+        adapter = self.adapter
+        device = self.device
+        ids = torch.tensor([s.next_token for s in seqs], device=device)
+        positions = torch.tensor([s.length for s in seqs], device=device)
+        for s in seqs:
+            if s.length >= s.k.shape[1]:
+                raise RuntimeError("a sequence decoded past its preallocated KV (max_new_tokens)")
+        cos, sin = adapter.rotary(positions)
+        hidden = adapter.embed(ids)
+        single = len(seqs) == 1
+        for layer in range(self.num_layers):
+            q, k, v = adapter.project_qkv(layer, hidden)
+            q = adapter.rope(q, cos, sin)
+            k = adapter.rope(k, cos, sin)
+            scale, window = self.scales[layer], self.windows[layer]
+            out = q if single else torch.empty_like(q)
+            for i, s in enumerate(seqs):
+                row = s.length
+                s.k[layer, row] = k[i]
+                s.v[layer, row] = v[i]
+                lo = max(0, row + 1 - window) if window else 0
+                attn = self._attend(q[i:i + 1], s.k[layer, lo:row + 1], s.v[layer, lo:row + 1], scale)
+                if single:
+                    out = attn
+                else:
+                    out[i] = attn[0]
+            hidden = adapter.finish_layer(layer, hidden, out)
+        for s in seqs:
+            s.length += 1
+        return adapter.logits(hidden).float()
+
+    def advance(self, seqs: Sequence[KVSequence]) -> list[str]:
+        """One step for every (unfinished) sequence: choose and accept its next token; the text pieces to hand
+        out, one per sequence."""
+        logits = self.step(seqs)
+        return [s.accept(s.choose(logits[i])) for i, s in enumerate(seqs)]
+
+
+@torch.inference_mode()
+def kv_decode(adapter, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+              settings: SamplingOptions, streamer=None, cancel: threading.Event | None = None) -> torch.Tensor:
+    """New token ids after the prompt `token_ids` (N,), whose fused KV is given: `decode.generate.decode`'s
+    contract (EOS, stop strings, `streamer.put`/`end`, stops early once `cancel` is set) on the adapter path."""
+    decoder = KVDecoder(adapter, tokenizer)
+    seq = decoder.sequence(token_ids, keys, values, settings, text=bool(settings.stop))
+    if streamer is not None:
+        streamer.put(token_ids[None].cpu())  # the prompt, which the streamer skips
+    try:
+        while not seq.finished and not (cancel is not None and cancel.is_set()):
+            decoder.advance([seq])
+            if streamer is not None:
+                streamer.put(torch.tensor([seq.generated[-1]]))
+    finally:
+        if streamer is not None:
+            streamer.end()
+    return torch.tensor(seq.generated, dtype=torch.long)

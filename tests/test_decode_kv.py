@@ -1,0 +1,130 @@
+"""The engine's own decode over the fused KV (decode.kv_decode) against HF generate, the reference."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cacheblend_rag import CacheBlendEngine, ConfigError
+from cacheblend_rag.decode.generate import SamplingOptions, decode
+from cacheblend_rag.decode.kv_decode import KVDecoder, StopFilter, kv_decode
+
+TEXTS = [
+    "The river Lune flows through Lancaster and reaches the sea at Sunderland Point.",
+    "Marie Curie won Nobel prizes in physics and in chemistry, the first person to win two.",
+    "The Eiffel Tower was finished in 1889 for the World's Fair in Paris, France.",
+]
+QUESTIONS = ("Where does the river Lune reach the sea?", "Who won two prizes?")
+
+
+def _engines(model, tokenizer) -> tuple[CacheBlendEngine, CacheBlendEngine]:
+    kv, hf = CacheBlendEngine(model, tokenizer), CacheBlendEngine(model, tokenizer, decoder="hf")
+    kv.ingest(TEXTS, show_progress=False)
+    hf.ingest(TEXTS, show_progress=False)
+    return kv, hf
+
+
+def test_greedy_tokens_equal_hf_generate_on_every_family(tiny):
+    _, model, tokenizer = tiny
+    kv, hf = _engines(model, tokenizer)
+    assert kv.decoder == "kv" and hf.decoder == "hf"
+    for question in QUESTIONS:
+        a = kv.generate(TEXTS, question, recompute_ratio=0.3, max_new_tokens=20)
+        b = hf.generate(TEXTS, question, recompute_ratio=0.3, max_new_tokens=20)
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+        assert a.text == b.text
+    assert "".join(kv.stream(TEXTS, QUESTIONS[0], max_new_tokens=12)).strip() == \
+        hf.generate(TEXTS, QUESTIONS[0], max_new_tokens=12).text
+
+
+def test_greedy_tokens_equal_hf_generate_with_a_sliding_window(tokenizer):
+    from conftest import tiny_model
+
+    kv, hf = _engines(tiny_model("mistral", len(tokenizer), sliding_window=16), tokenizer)
+    a = kv.generate(TEXTS, QUESTIONS[0], max_new_tokens=24)
+    assert a.stats["num_tokens"] > 4 * 16
+    assert a.token_ids == hf.generate(TEXTS, QUESTIONS[0], max_new_tokens=24).token_ids
+
+
+def test_greedy_tokens_equal_hf_generate_on_the_real_model(default_model, passages):
+    model, tokenizer = default_model
+    engine = CacheBlendEngine(model, tokenizer)
+    engine.ingest(passages[:3], show_progress=False)
+    pre = engine.prefill(passages[:3], "Which of these places is the oldest?", store_holes=False)
+    sampling = SamplingOptions(max_new_tokens=24)
+    ours = kv_decode(engine.adapter, tokenizer, pre.token_ids, pre.keys, pre.values, sampling)
+    reference = decode(model, tokenizer, pre.token_ids, pre.keys, pre.values, sampling)
+    assert ours.tolist() == reference.tolist() and ours.numel() > 0
+
+
+def test_sequences_of_different_lengths_batched_equal_each_alone(tiny):
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer)
+    engine.ingest(TEXTS, show_progress=False)
+    prefills = [engine.prefill(TEXTS, QUESTIONS[0], store_holes=False),
+                engine.prefill(TEXTS[1:], QUESTIONS[1], store_holes=False)]
+    assert prefills[0].token_ids.numel() != prefills[1].token_ids.numel()
+    greedy, sampled = SamplingOptions(max_new_tokens=10), SamplingOptions(max_new_tokens=6, temperature=0.9, seed=5)
+    decoder = KVDecoder(engine.adapter, tokenizer)
+
+    def alone(pre, settings):
+        seq = decoder.sequence(pre.token_ids, pre.keys, pre.values, settings)
+        while not seq.finished:
+            decoder.advance([seq])
+        return seq.generated
+
+    expected = [alone(prefills[0], greedy), alone(prefills[1], sampled), alone(prefills[1], greedy)]
+    seqs = [decoder.sequence(prefills[0].token_ids, prefills[0].keys, prefills[0].values, greedy),
+            decoder.sequence(prefills[1].token_ids, prefills[1].keys, prefills[1].values, sampled)]
+    decoder.advance(seqs)
+    decoder.advance(seqs)
+    # a sequence joins a running batch; a finished one leaves it
+    seqs.append(decoder.sequence(prefills[1].token_ids, prefills[1].keys, prefills[1].values, greedy))
+    while any(not s.finished for s in seqs):
+        decoder.advance([s for s in seqs if not s.finished])
+    assert [s.generated for s in seqs] == expected
+    assert [s.finish_reason for s in seqs] == ["length"] * 3
+
+
+def test_stop_strings_and_cancel_on_the_kv_path(tiny):
+    _, model, tokenizer = tiny
+    kv, hf = _engines(model, tokenizer)
+    full = kv.generate(TEXTS, QUESTIONS[0], max_new_tokens=16)
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cut = kv.generate(TEXTS, QUESTIONS[0], max_new_tokens=16, stop=[stop])
+    assert cut.token_ids == hf.generate(TEXTS, QUESTIONS[0], max_new_tokens=16, stop=[stop]).token_ids
+    assert stop not in cut.text and full.text.startswith(cut.text) and len(cut.token_ids) < 16
+    cancel = threading.Event()
+    cancel.set()
+    pre = kv.prefill(TEXTS, QUESTIONS[0], store_holes=False)
+    assert kv_decode(kv.adapter, tokenizer, pre.token_ids, pre.keys, pre.values, SamplingOptions(8),
+                     cancel=cancel).numel() == 0
+
+
+def test_stop_filter_cuts_a_stop_string_across_pieces():
+    f = StopFilter(("END",))
+    out = [f.push(p) for p in ["ab", "cE", "N", "Dx"]]
+    assert "".join(out) == "abc" and f.found
+    g = StopFilter(())
+    assert g.push("abc") == "abc" and g.flush() == ""
+
+
+def test_unknown_decoder_is_a_config_error(tiny):
+    _, model, tokenizer = tiny
+    with pytest.raises(ConfigError, match="decoder"):
+        CacheBlendEngine(model, tokenizer, decoder="fast")
+
+
+def test_decode_bench_reports_both_decoders_and_the_bound(tiny, musique):
+    from cacheblend_rag.bench import decode_bench
+
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer)
+    result = decode_bench.run(engine, musique[:1], lengths=(64, 200), new_tokens=4, batches=(1, 2), repeats=1)
+    rows = result["rows"]
+    assert [r["prompt_tokens"] >= t for r, t in zip(rows, (64, 200))] == [True, True]
+    assert all(r["identical"] and r["new_tokens"] == 4 and r["bound_ms_per_token"] > 0 for r in rows)
+    assert [b["batch"] for b in result["batches"]] == [1, 2]
+    assert "identical greedy tokens" in decode_bench.format_table(result)
