@@ -158,7 +158,7 @@ class _Server:
         self.engine, self.config = engine, config
         self.retriever = Retriever(config.home, config.chroma_host, config.chroma_port)
         self.scheduler = Scheduler(lambda job: run_job(engine, self.retriever, job), config.max_queue)
-        self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size)
+        self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size, engine.kv_store.stats)
         self.created = int(time.time())
         self._mean_latency_s: float | None = None
 
