@@ -7,6 +7,8 @@
     cacheblend-rag bench --limit 10 --concurrency 4 --out bench-load         # + throughput under load
     cacheblend-rag bench --limit 3 --breakdown --out bench-breakdown         # where the prefill time goes
     cacheblend-rag bench --limit 6 --loading --dtype bfloat16                # KV in memory vs on disk, "auto"
+    cacheblend-rag bench --faults --limit 4 --chunks 3 --max-new-tokens 8   # 2 replicas + Redis under faults
+    cacheblend-rag bench --shared-tier --limit 9                             # Redis hit vs memory hit; codecs at 1 Gbit/s
 
 The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
 folder. Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under
@@ -58,6 +60,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="instead, TTFT with the KV in memory vs on disk (pipelined and on demand, page cache "
                        f"dropped), and recompute_ratio='auto' vs fixed ratios; CacheBlend at the first --ratios "
                        f"value (default {LOADING_RATIO}) (loading.md)")
+    modes.add_argument("--faults", action="store_true",
+                       help="instead, 2 serve replicas sharing a redis-server under a steady load while Redis is "
+                       "killed, a replica is killed, Redis is full, stored bytes are flipped: completed / failed / "
+                       "wrong per scenario (faults.md)")
+    modes.add_argument("--shared-tier", action="store_true",
+                       help="instead, a replica's TTFT on a Redis hit vs a memory hit, and TTFT per codec with Redis "
+                       "behind a paced 1 Gbit/s link vs recompute (shared_tier.md)")
+    mode.add_argument("--fault-requests", type=int, default=24, metavar="N",
+                      help="requests per --faults scenario (default 24)")
+    mode.add_argument("--clients", type=int, default=4, metavar="C", help="client threads of --faults (default 4)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -131,6 +143,8 @@ def execute(args: argparse.Namespace) -> dict:
         return _breakdown(args, dataset)
     if args.loading:
         return _loading(args, dataset)
+    if args.faults or args.shared_tier:
+        return _shared_tier(args, dataset)
     return _benchmark(args, dataset)
 
 
@@ -238,6 +252,39 @@ def _loading(args: argparse.Namespace, dataset: Path) -> dict:
         meta = {"dataset": str(dataset), "questions": len(items), "chunks": args.chunks, "dtype": _dtype(engine),
                 "machine": machine()}
         paths = write_table(args.out, "loading", header, table, {"meta": meta, **result})
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return result
+
+
+def _shared_tier(args: argparse.Namespace, dataset: Path) -> dict:
+    """`--faults` or `--shared-tier`: real replicas and a real redis-server on loopback; prints and writes tables."""
+    from .datasets import load_dataset, passages_of
+    from .report import machine, write_table
+
+    items = [(item["question"], passages_of(item, args.chunks))
+             for item in load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)]
+    if args.faults:
+        from . import faults
+
+        result = faults.run(items, model=args.model, home=args.home, num_requests=args.fault_requests,
+                            clients=args.clients, max_tokens=args.max_new_tokens, seed=args.seed)
+        name, table = "faults", faults.format_faults(result["results"])
+        header = (f"{args.fault_requests} requests per scenario from {args.clients} clients over 2 replicas, "
+                  f"{len(items)} questions × {args.chunks} passages, {args.max_new_tokens} new tokens; {machine()}")
+    else:
+        from . import shared_tier
+
+        ratio = args.ratios[0] if args.ratios else LOADING_RATIO
+        cross = shared_tier.cross_replica(items, model=args.model, home=args.home, ratio=ratio)
+        remote = shared_tier.remote_codecs(items, model=args.model, home=args.home, ratio=ratio,
+                                           device="cpu" if args.device == "auto" else args.device,
+                                           dtype="float32" if args.dtype == "auto" else args.dtype)
+        result = {"cross_replica": cross, "remote": remote}
+        name, table = "shared_tier", shared_tier.format_shared_tier(cross, remote)
+        header = f"{len(items)} questions × {args.chunks} passages; {machine()}"
+    print(f"\n{header}\n{table}")
+    if args.out:
+        paths = write_table(args.out, name, header, table, {"dataset": str(dataset), **result})
         print("wrote " + ", ".join(str(p) for p in paths))
     return result
 

@@ -236,3 +236,41 @@ class PacedProxy:
             pass
         finally:
             writer.close()
+
+
+class ProxyProcess:
+    """A PacedProxy in its own process (so its copying does not take the GIL from the engine being timed)."""
+
+    def __init__(self, target_port: int, bits_per_s: float) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "cacheblend_rag.bench.replicas", str(target_port),
+                                      str(self.port), str(bits_per_s)], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("the paced proxy did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _serve_proxy(argv: list[str]) -> None:
+    """`python -m cacheblend_rag.bench.replicas TARGET_PORT PORT BITS_PER_S`: run a paced proxy until killed."""
+    target, port, bits = int(argv[0]), int(argv[1]), float(argv[2])
+    proxy = PacedProxy(target, bits)
+    proxy.port = port
+    proxy.start()
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    _serve_proxy(sys.argv[1:])
