@@ -275,10 +275,10 @@ def _shared_tier(args: argparse.Namespace, dataset: Path) -> dict:
         from . import shared_tier
 
         ratio = args.ratios[0] if args.ratios else LOADING_RATIO
-        cross = shared_tier.cross_replica(items, model=args.model, home=args.home, ratio=ratio)
-        remote = shared_tier.remote_codecs(items, model=args.model, home=args.home, ratio=ratio,
-                                           device="cpu" if args.device == "auto" else args.device,
-                                           dtype="float32" if args.dtype == "auto" else args.dtype)
+        device = dict(device="cpu" if args.device == "auto" else args.device,
+                      dtype="float32" if args.dtype == "auto" else args.dtype)
+        cross = shared_tier.cross_replica(items, model=args.model, home=args.home, ratio=ratio, **device)
+        remote = shared_tier.remote_codecs(items, model=args.model, home=args.home, ratio=ratio, **device)
         result = {"cross_replica": cross, "remote": remote}
         name, table = "shared_tier", shared_tier.format_shared_tier(cross, remote)
         header = f"{len(items)} questions × {args.chunks} passages; {machine()}"

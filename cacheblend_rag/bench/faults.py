@@ -182,7 +182,8 @@ class Cluster:
         rhome = self.workdir / f"home-{name}-{int(time.time() * 1000)}"
         rhome.mkdir()
         (rhome / "models").symlink_to(models, target_is_directory=True)
-        return Replica(rhome, [self.redis.url], model=self.model, name=name)
+        # a long server timeout: on a shared CPU a queued request may wait minutes, and that is not a fault
+        return Replica(rhome, [self.redis.url], "--timeout", "3600", model=self.model, name=name)
 
     def restart_replica(self, name: str, models: Path) -> None:
         """A fresh process for a killed replica."""
@@ -454,7 +455,8 @@ def summarize(scenario: Scenario, refs: dict) -> dict:
         rows[replica] = {"requests": len(mine), "completed": len(ok), "failed": len(mine) - len(ok),
                          "wrong": len(wrong), "unverified": len(unverified), "differs_from_healthy": len(degraded),
                          "all_hit": sum(o.all_hit for o in ok),
-                         "errors": sorted({o.error.split(":")[0] for o in mine if o.error})}
+                         "errors": sorted({o.error.split(":")[0] for o in mine if o.error}),
+                         "error_messages": sorted({o.error for o in mine if o.error})}
     end = scenario.events.get("fault_end")
     recover = None
     if end is not None:

@@ -1,8 +1,9 @@
 """Shared Redis tier timings (`cacheblend-rag bench --shared-tier`):
 
-1. Cross-replica TTFT: replicas a and b (memory → one Redis); per question a answers first (computing and storing
-   the chunks), then b twice: its first answer reads the chunks from Redis, its second from its own memory tier
-   (promoted there). The ratio of b's TTFT on the Redis hit to the memory hit, at CacheBlend r.
+1. Cross-replica TTFT: engines a and b (each memory → one Redis; two engines on one model stand for two
+   replicas); per question a prefills first (computing and storing the chunks), then b twice: its first prefill
+   reads the chunks from Redis, its second from its own memory tier (promoted there). The ratio of b's TTFT on
+   the Redis hit to the memory hit, at CacheBlend r.
 2. A remote tier behind an emulated link: a paced loopback proxy (1 Gbit/s by default, its own process) in front of
    redis-server; one engine per codec (fp16, int8, cachegen) with Redis, through the proxy, as its only tier;
    TTFT per codec against recompute (full prefill), and the first-token KL of each against the full prefill.
@@ -17,52 +18,51 @@ import tempfile
 import time
 from pathlib import Path
 
-from .faults import ask
-from .replicas import ProxyProcess, RedisServer, Replica
+from .replicas import ProxyProcess, RedisServer
 
 CODECS = ("fp16", "int8", "cachegen")
 
 
 def cross_replica(items: list[tuple[str, list[str]]], *, model: str, home: str | None, ratio: float = 0.15,
-                  max_tokens: int = 1) -> dict:
-    """b's TTFT on a Redis hit vs a memory hit (medians over the questions; the engine's prefill and the request's
-    time to first token)."""
-    from .. import settings
-    from ..models.loader import model_folder
+                  device: str = "cpu", dtype: str = "float32") -> dict:
+    """b's TTFT on a Redis hit vs a memory hit (medians over the questions, the engine's prefill).
 
-    model_folder(model, home)
-    extra = {"cacheblend": {"method": "cacheblend", "recompute_ratio": ratio}}
+    Two engines stand for the two replicas (one model in memory; the replicas are separate processes in the fault
+    runs and in tests/test_replicas.py): a computes each question's chunks into Redis; b (memory → the same Redis)
+    answers twice, first reading the chunks from Redis, then from its memory tier, where the first read promoted
+    them.
+    """
+    from ..engine import CacheBlendEngine
+    from ..store import open_store
+
+    base = CacheBlendEngine.from_pretrained(model, kv_store=None, device=device, dtype=dtype, home=home)
     rows = []
     with tempfile.TemporaryDirectory(prefix="cacheblend-xreplica-") as tmp:
         redis_server = RedisServer(Path(tmp)).start()
-        replicas = []
         try:
-            for name in ("a", "b"):
-                rhome = Path(tmp) / f"home-{name}"
-                rhome.mkdir()
-                (rhome / "models").symlink_to(settings.models_dir(home), target_is_directory=True)
-                replicas.append(Replica(rhome, ["memory", redis_server.url], model=model, name=name))
-            a, b = (r.wait_ready() for r in replicas)
-            warm_q, warm_docs = items[0]  # untimed: first-request costs (threads, allocator) on both replicas
-            for replica in (a, b, b):
-                ask(replica.url, warm_q, warm_docs, max_tokens, model, extra=extra)
-            for question, docs in items[1:]:
-                cold = ask(a.url, question, docs, max_tokens, model, extra=extra)["usage"]["cacheblend"]
-                remote = ask(b.url, question, docs, max_tokens, model, extra=extra)["usage"]["cacheblend"]
-                local = ask(b.url, question, docs, max_tokens, model, extra=extra)["usage"]["cacheblend"]
-                if remote["chunk_misses"] or local["chunk_misses"]:
-                    raise RuntimeError(f"b missed chunks a had stored: {remote['miss_ids']} / {local['miss_ids']}")
-                rows.append({"cold_prefill_s": cold["prefill_s"], "redis_prefill_s": remote["prefill_s"],
-                             "memory_prefill_s": local["prefill_s"], "redis_ttft_s": remote["ttft_s"],
-                             "memory_ttft_s": local["ttft_s"], "chunks": remote["chunk_hits"]})
+            a = CacheBlendEngine(base.model, base.tokenizer, kv_store=open_store(["memory", redis_server.url]),
+                                 home=home)
+            b = CacheBlendEngine(base.model, base.tokenizer, kv_store=open_store(["memory", redis_server.url]),
+                                 home=home)
+            for i, (question, docs) in enumerate(items):
+                cold = a.prefill(docs, question, recompute_ratio=ratio)  # computes; the holes go to Redis
+                remote = b.prefill(docs, question, recompute_ratio=ratio)
+                local = b.prefill(docs, question, recompute_ratio=ratio)
+                for pre in (remote, local):
+                    if pre.stats["chunk_misses"]:
+                        raise RuntimeError(f"b missed chunks a had stored: {pre.stats['chunk_misses']}")
+                if not remote.stats["kv_bytes_by_tier"].get("redis") or local.stats["kv_bytes_by_tier"].get("redis"):
+                    raise RuntimeError(f"unexpected tiers: {remote.stats['kv_bytes_by_tier']}, "
+                                       f"{local.stats['kv_bytes_by_tier']}")
+                if i:  # the first question warms the engines up, untimed
+                    rows.append({"cold_prefill_s": cold.stats["ttft_s"], "redis_prefill_s": remote.stats["ttft_s"],
+                                 "memory_prefill_s": local.stats["ttft_s"],
+                                 "redis_kv_mb": remote.stats["kv_bytes_by_tier"]["redis"] / 1e6})
         finally:
-            for replica in replicas:
-                replica.kill9()
             redis_server.stop()
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "chunks"}
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {"ratio": ratio, "questions": len(rows), "medians": med,
-            "redis_vs_memory_prefill": med["redis_prefill_s"] / med["memory_prefill_s"],
-            "redis_vs_memory_ttft": med["redis_ttft_s"] / med["memory_ttft_s"], "rows": rows}
+            "redis_vs_memory_prefill": med["redis_prefill_s"] / med["memory_prefill_s"], "rows": rows}
 
 
 def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str | None, ratio: float = 0.15,
@@ -121,11 +121,11 @@ def format_shared_tier(cross: dict | None, remote: dict | None) -> str:
     if cross:
         m = cross["medians"]
         lines += [f"Cross-replica TTFT at CacheBlend r={cross['ratio']} ({cross['questions']} questions, medians):", "",
-                  "| on replica b | engine prefill (s) | request TTFT (s) |", "|---|---:|---:|",
-                  f"| chunks from Redis (computed on a) | {m['redis_prefill_s']:.3f} | {m['redis_ttft_s']:.3f} |",
-                  f"| chunks from b's memory tier | {m['memory_prefill_s']:.3f} | {m['memory_ttft_s']:.3f} |",
-                  f"| Redis / memory | {cross['redis_vs_memory_prefill']:.2f}× | {cross['redis_vs_memory_ttft']:.2f}× |",
-                  f"| (a, computing every chunk: cold) | {m['cold_prefill_s']:.3f} | — |", ""]
+                  "| on replica b | TTFT, engine prefill (s) |", "|---|---:|",
+                  f"| chunks from Redis (computed on a; {m['redis_kv_mb']:.1f} MB read) | {m['redis_prefill_s']:.3f} |",
+                  f"| chunks from b's memory tier | {m['memory_prefill_s']:.3f} |",
+                  f"| Redis / memory | {cross['redis_vs_memory_prefill']:.2f}× |",
+                  f"| (a, computing every chunk: cold) | {m['cold_prefill_s']:.3f} |", ""]
     if remote:
         lines += [f"Redis behind a {remote['bits_per_s'] / 1e9:g} Gbit/s paced link, CacheBlend r={remote['ratio']} "
                   f"({remote['questions']} questions, medians); fastest: **{remote['fastest']}**", "",
