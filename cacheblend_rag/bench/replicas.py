@@ -245,7 +245,7 @@ class ProxyProcess:
         self.port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "cacheblend_rag.bench.replicas", str(target_port),
                                       str(self.port), str(bits_per_s)], stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + START_LIMIT_S  # the child imports the package (torch) first
         while True:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
