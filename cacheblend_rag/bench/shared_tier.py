@@ -96,7 +96,7 @@ def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str |
                 if timed:
                     ttft["recompute (full prefill)"].append(full.stats["ttft_s"])
                 for c in CODECS:
-                    pre = readers[c].prefill(ids, question, recompute_ratio=ratio)
+                    pre = readers[c].prefill(docs, question, recompute_ratio=ratio)
                     if pre.stats["chunk_misses"]:
                         raise RuntimeError(f"{c}: chunks missed through the proxy: {pre.stats['chunk_misses']}")
                     if timed:
