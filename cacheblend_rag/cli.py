@@ -5,6 +5,7 @@
     cacheblend-rag ingest --from-chroma COLLECTION [--chroma-path DIR | --host H --port P]  # your own Chroma
     cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]
     cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
+    ... --kv-store memory --kv-store disk:PATH --kv-store redis://HOST:6379/0?prefix=NAME   # KV tiers, any command
     cacheblend-rag delete PATH...      # remove the chunks (and KV) of these files or folders
     cacheblend-rag prune               # remove the chunks (and KV) of files that no longer exist
 
@@ -82,6 +83,49 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+_TIER_STARTS = ("memory", "disk:", "redis://", "rediss://", "unix://")
+
+
+def kv_tier(text: str) -> str:
+    """One `--kv-store` tier: "memory", "disk:PATH" or a redis://, rediss:// or unix:// URL (checked, not opened)."""
+    spec = text.strip()
+    if spec == "memory" or (spec.startswith("disk:") and len(spec) > 5):
+        return spec
+    if spec.startswith(_TIER_STARTS[2:]):
+        if any(part.strip().startswith(_TIER_STARTS) for part in spec.split(",")[1:]):
+            raise argparse.ArgumentTypeError(f"{text!r} holds several tiers; give one tier per --kv-store, "
+                                             "fastest first (--kv-store memory --kv-store redis://HOST:6379/0)")
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(spec)
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a Redis URL ({e}); write "
+                                             "redis://HOST:PORT/DB[?prefix=NAME]") from None
+        if parts.scheme != "unix" and not parts.hostname:
+            raise argparse.ArgumentTypeError(f"{text!r} names no host; write redis://HOST:PORT/DB[?prefix=NAME]")
+        return spec
+    if "," in spec:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one tier per --kv-store, fastest first "
+                                         "(--kv-store memory --kv-store disk:PATH --kv-store redis://HOST:6379/0)")
+    raise argparse.ArgumentTypeError(f"{text!r} is not a KV tier; use memory, disk:PATH or redis://HOST:PORT/DB"
+                                     "[?prefix=NAME]")
+
+
+def add_kv_store_argument(parser: argparse.ArgumentParser) -> None:
+    """`--kv-store SPEC`, repeatable: the KV tiers, fastest first (default: memory over the disk under --home)."""
+    parser.add_argument("--kv-store", action="append", type=kv_tier, metavar="SPEC",
+                        help="a KV store tier, fastest first; repeat for a chain, e.g. --kv-store memory "
+                        "--kv-store disk:/var/cache/kv --kv-store redis://127.0.0.1:6379/0?prefix=tenant1 "
+                        "(default: memory over the disk store under --home)")
+
+
+def kv_store_spec(args: argparse.Namespace):
+    """What to give open_store: the --kv-store tiers, or the disk store under --home when none is given."""
+    return list(args.kv_store) if getattr(args, "kv_store", None) else settings.kv_dir(args.home)
+
+
 def _chunk_tokens(text: str) -> int:
     value = _positive_int(text)
     if value < 16:
@@ -131,6 +175,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget", type=parse_size, default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
                         help="bytes of KV the store keeps in memory (LRU, in front of the disk store), e.g. "
                         f"256MiB, 2GiB, 0; default {DEFAULT_MEMORY_BUDGET}")
+    add_kv_store_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages to stderr")
 
 
@@ -146,7 +191,7 @@ def _engine(args: argparse.Namespace):
     from .store import open_store
 
     check_device(args.device)
-    kv_store = open_store(settings.kv_dir(args.home), memory_bytes=args.memory_budget,
+    kv_store = open_store(kv_store_spec(args), memory_bytes=args.memory_budget,
                           codec=getattr(args, "kv_codec", "fp16"))
     return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
                                             home=args.home)
@@ -501,6 +546,7 @@ def _add_serve(subparsers) -> None:
                               "/v1/completions (with documents, chunk_ids, retrieval and cacheblend options), "
                               "/v1/models, /health and Prometheus /metrics. Binds 127.0.0.1 by default.")
     add_arguments(p)
+    add_kv_store_argument(p)
     p.set_defaults(func=run_cli)
 
 

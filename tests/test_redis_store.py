@@ -201,6 +201,30 @@ def test_a_put_replaces_the_whole_entry(server) -> None:
     assert server.client().hlen(store.name_for(key())) == LAYERS + 2
 
 
+@pytest.mark.parametrize("codec, tolerance", [("int8", 0.05), ("cachegen", 0.5)])
+def test_a_codec_entry_reads_back_per_layer_within_its_error_and_a_flipped_byte_is_a_miss(server, codec,
+                                                                                        tolerance) -> None:
+    store = store_at(server, codec=codec)
+    kv = make_kv()
+    store.put(key(), kv)
+    raw = store_at(server, prefix="raw")
+    raw.put(key(), kv)
+    assert store.stats()["bytes_written"] < raw.stats()["bytes_written"]  # what a codec is for
+    reader = store.reader(key())
+    for layer in range(LAYERS):
+        k, v = reader.layer(layer)
+        assert k.dtype == torch.float32 and k.shape == kv.keys[layer].shape
+        assert (k - kv.keys[layer]).abs().max() < tolerance and (v - kv.values[layer]).abs().max() < tolerance
+    assert reader.bytes_read == sum(len(server.client().hget(store.name_for(key()), f"L{i}")) for i in range(LAYERS))
+    got = store.get(key())
+    assert torch.equal(got.keys[2], reader.layer(2)[0])
+    name, client = store.name_for(key()), server.client()
+    data = bytearray(client.hget(name, "L3"))
+    data[len(data) // 2] ^= 0x10
+    client.hset(name, "L3", bytes(data))
+    assert store.get(key()) is None and client.exists(name) == 0 and store.stats()["corrupt"] == 1
+
+
 # ---- validation ------------------------------------------------------------------------
 
 

@@ -10,6 +10,8 @@
     cacheblend-rag bench --trace --limit 20 --repeats 3 --k 6 --guard 0.05   # chunks recurring in new company
     cacheblend-rag bench --limit 8 --decode --out bench-decode               # decode ms/token: ours vs HF generate
     cacheblend-rag bench --limit 8 --serve-load --requests 16 --out bench-serve   # the server under HTTP load
+    cacheblend-rag bench --faults --limit 4 --chunks 3 --max-new-tokens 8   # 2 replicas + Redis under faults
+    cacheblend-rag bench --shared-tier --limit 9                             # Redis hit vs memory hit; codecs at 1 Gbit/s
 
 The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
 folder. Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under
@@ -74,6 +76,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="instead, the trace workload (bench/trace.py): per question --repeats requests of --k "
                        "of its passages in random order, all questions interleaved, on a warm and/or cold corpus; "
                        "TTFT, recompute, KL and agreement vs full prefill of each request (trace.md)")
+    modes.add_argument("--faults", action="store_true",
+                       help="instead, 2 serve replicas sharing a redis-server under a steady load while Redis is "
+                       "killed, a replica is killed, Redis is full, stored bytes are flipped: completed / failed / "
+                       "wrong per scenario (faults.md)")
+    modes.add_argument("--shared-tier", action="store_true",
+                       help="instead, a replica's TTFT on a Redis hit vs a memory hit, and TTFT per codec with Redis "
+                       "behind a paced 1 Gbit/s link vs recompute (shared_tier.md)")
+    mode.add_argument("--fault-requests", type=int, default=24, metavar="N",
+                      help="requests per --faults scenario (default 24)")
+    mode.add_argument("--clients", type=int, default=4, metavar="C", help="client threads of --faults (default 4)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -167,6 +179,8 @@ def execute(args: argparse.Namespace) -> dict:
         return _trace(args, dataset)
     if args.guard is not None or args.guard_ratio is not None:
         raise ValueError("--guard and --guard-ratio evaluate the quality guard on --trace; add --trace")
+    if args.faults or args.shared_tier:
+        return _shared_tier(args, dataset)
     return _benchmark(args, dataset)
 
 
@@ -356,6 +370,37 @@ def _trace(args: argparse.Namespace, dataset: Path) -> dict:
         paths = trace.write_trace_outputs(meta, results, args.out)
         print("wrote " + ", ".join(str(p) for p in paths))
     return {"meta": meta, "results": results}
+def _shared_tier(args: argparse.Namespace, dataset: Path) -> dict:
+    """`--faults` or `--shared-tier`: real replicas and a real redis-server on loopback; prints and writes tables."""
+    from .datasets import load_dataset, passages_of
+    from .report import machine, write_table
+
+    items = [(item["question"], passages_of(item, args.chunks))
+             for item in load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)]
+    if args.faults:
+        from . import faults
+
+        result = faults.run(items, model=args.model, home=args.home, num_requests=args.fault_requests,
+                            clients=args.clients, max_tokens=args.max_new_tokens, seed=args.seed)
+        name, table = "faults", faults.format_faults(result["results"])
+        header = (f"{args.fault_requests} requests per scenario from {args.clients} clients over 2 replicas, "
+                  f"{len(items)} questions × {args.chunks} passages, {args.max_new_tokens} new tokens; {machine()}")
+    else:
+        from . import shared_tier
+
+        ratio = args.ratios[0] if args.ratios else LOADING_RATIO
+        device = dict(device="cpu" if args.device == "auto" else args.device,
+                      dtype="float32" if args.dtype == "auto" else args.dtype)
+        cross = shared_tier.cross_replica(items, model=args.model, home=args.home, ratio=ratio, **device)
+        remote = shared_tier.remote_codecs(items, model=args.model, home=args.home, ratio=ratio, **device)
+        result = {"cross_replica": cross, "remote": remote}
+        name, table = "shared_tier", shared_tier.format_shared_tier(cross, remote)
+        header = f"{len(items)} questions × {args.chunks} passages; {machine()}"
+    print(f"\n{header}\n{table}")
+    if args.out:
+        paths = write_table(args.out, name, header, table, {"dataset": str(dataset), **result})
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return result
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -161,7 +161,7 @@ class _Server:
         self.engine, self.config = engine, config
         self.retriever = Retriever(config.home, config.chroma_host, config.chroma_port)
         self.scheduler = make_scheduler(engine, self.retriever, config.max_queue, config.max_batch)
-        self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size)
+        self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size, engine.kv_store.stats)
         self.created = int(time.time())
         self._mean_latency_s: float | None = None
 

