@@ -11,8 +11,8 @@ import torch
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.fuse.policies import POLICIES, CacheCraft, make_policy
-from cacheblend_rag.fuse.policies.cachecraft import (cache_fix_overhead, focused_chunks, order_penalty,
-                                                     prefix_overlap)
+from cacheblend_rag.fuse.policies.cachecraft import (DEFAULT_ALPHA, cache_fix_overhead, focused_chunks,
+                                                     order_penalty, prefix_overlap)
 from cacheblend_rag.fuse.variants import Variant, VariantStore, cci, variant_kv_id
 from cacheblend_rag.store import ChunkKV, DiskStore, KVKey
 
@@ -189,7 +189,8 @@ def test_eviction_keeps_the_most_useful(tmp_path):
     variants = VariantStore(store, tmp_path / "kv" / "v.sqlite")
     made = []
     for i in range(3):
-        v = Variant("c" * 32, variant_kv_id("c" * 32, f"d{i}"), ("a",), f"d{i}", 8, {"a": 1.0}, 1.0, 0.7, list(range(8)))
+        v = Variant("c" * 32, variant_kv_id("c" * 32, f"d{i}"), ("a",), f"d{i}", 8, {"a": 1.0}, 1.0, 0.7,
+                    list(range(8)))
         assert variants.add("ns", v, _synthetic_kv(8, i))
         made.append(v)
     variants.touch("ns", made[0], 0.1)  # f_r += 10
@@ -228,3 +229,25 @@ def test_two_processes_add_variants_of_one_chunk(tmp_path):
         reader = variants.reader("ns", v, torch.arange(8))
         assert reader is not None
         reader.close()
+
+
+def test_calibrated_alpha_is_the_default(engine, tmp_path, monkeypatch):
+    from cacheblend_rag.bench.calibrate import calibrate, store_calibration
+
+    monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path))
+    item = {"question": QUESTION, "ctxs": [{"title": "", "text": t} for t in TEXTS]}
+    result = calibrate(engine, [item], target_kl=1e9, alphas=(0.2, 0.9), num_chunks=3)
+    assert result["alpha"] == 0.2 and result["met"]  # any KL meets a huge target: the smallest α
+    assert [row["alpha"] for row in result["table"]] == [0.2, 0.9]
+    assert engine.prefill(TEXTS, QUESTION, "cachecraft").stats["cachecraft"]["alpha"] == DEFAULT_ALPHA  # none yet
+    store_calibration(engine, {**result, "alpha": 0.7})
+    assert engine.prefill(TEXTS, QUESTION, "cachecraft").stats["cachecraft"]["alpha"] == 0.7
+    assert engine.prefill(TEXTS, QUESTION, "cachecraft", alpha=0.1).stats["cachecraft"]["alpha"] == 0.1
+
+
+def test_cli_accepts_the_method_and_checks_calibrate_options(capsys):
+    from cacheblend_rag.cli import build_parser, main
+
+    assert build_parser().parse_args(["ask", "q?", "--method", "cachecraft"]).method == "cachecraft"
+    assert main(["calibrate", "--target-kl", "-1"]) == 2
+    assert "--target-kl" in capsys.readouterr().err

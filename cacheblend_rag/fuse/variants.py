@@ -69,7 +69,7 @@ def variant_kv_id(chunk_id: str, lead_digest: str) -> str:
 
 
 def cci(inter: dict[str, float], intra: float, num_tokens: int, sizes: dict[str, int]) -> float:
-    """Cache Context Impact, eq. 9–11: sigmoid(ā / b̄) with ā = Σ_j inter(C_j, C)/(|C||C_j|), b̄ = intra/|C|²."""
+    """Cache Context Impact, eq. 9–11: sigmoid(ā / b̄), ā = Σ_j inter(C_j, C)/(|C||C_j|), b̄ = intra/|C|²."""
     a = sum(v / (num_tokens * max(sizes.get(j, 1), 1)) for j, v in inter.items())
     b = intra / (num_tokens * num_tokens)
     if b <= 0:

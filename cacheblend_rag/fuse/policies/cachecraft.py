@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -59,7 +60,7 @@ def _first_order(ids) -> list[str]:
     return list(seen)
 
 
-def prefix_overlap(inter: dict[str, float], old: tuple[str, ...] | list[str], new: tuple[str, ...] | list[str]) -> float:
+def prefix_overlap(inter: dict[str, float], old: Sequence[str], new: Sequence[str]) -> float:
     """β (eq. 6): Σ_{j ∈ old ∩ new} inter(C, j) / Σ_{j ∈ old} inter(C, j); 0 when the old prefix drew none."""
     old_set, new_set = set(old), set(new)
     total = sum(inter.get(j, 0.0) for j in old_set)
@@ -68,7 +69,7 @@ def prefix_overlap(inter: dict[str, float], old: tuple[str, ...] | list[str], ne
     return sum(inter.get(j, 0.0) for j in old_set & new_set) / total
 
 
-def order_penalty(old: tuple[str, ...] | list[str], new: tuple[str, ...] | list[str]) -> float:
+def order_penalty(old: Sequence[str], new: Sequence[str]) -> float:
     """γ (eq. 7): discordant pairs / C(m, 2) between the shared chunks' old and new orders (0 when m < 2)."""
     shared = set(old) & set(new)
     a_old = [c for c in _first_order(old) if c in shared]
