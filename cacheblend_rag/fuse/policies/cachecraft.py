@@ -305,6 +305,7 @@ class _Attention:
     intra: float = 0.0  # to earlier tokens of its own
     per_token: torch.Tensor | None = None  # (n,) each token's attention to the chunks before it
     layers: int = 0
+    layers_seen: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -321,6 +322,7 @@ class CraftSelection(RowSelection):
     focused: frozenset[int] | None = None
     cutoff_layer: int | None = None
     attention: dict[int, _Attention] = field(default_factory=dict)  # chunk position → metadata being gathered
+    queries: list[tuple] = field(default_factory=list)  # (layer, rows, q, scale) of those chunks' rows
     report_: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -413,42 +415,51 @@ class CraftSelection(RowSelection):
         return True
 
     def _gather(self, view: LayerView) -> None:
-        """Attention of the rows of chunks computed in full (eqs. 3–4), per source chunk, summed over layers."""
-        seq = view.seq
-        seg = seq.segment_of_row
-        recording = torch.zeros_like(seq.cached)
+        """Keep the queries of the rows of chunks computed in full; their attention is measured after TTFT."""
+        recording = torch.zeros_like(view.seq.cached)
         for pos in self.attention:
             recording[self.request.chunks[pos].rows] = True
         pick = recording[view.rows]
-        if not bool(pick.any()):
-            return
-        rows = view.rows[pick]
-        q = view.q[pick].float()
-        keys = view.keys.float()
-        m, heads, d = q.shape
-        kv_heads = keys.shape[1]
-        logits = torch.einsum("mkgd,nkd->kgmn", q.view(m, kv_heads, heads // kv_heads, d), keys) * view.scale
-        positions = torch.arange(seq.num_rows, device=q.device)
-        logits = logits.masked_fill(positions[None, :] > rows[:, None], float("-inf"))
-        probs = logits.softmax(-1).mean(dim=(0, 1))  # (m, N): mean over heads
+        if bool(pick.any()):  # the loop never writes into q in place; the layer's keys are result.keys[layer]
+            self.queries.append((view.layer, view.rows[pick], view.q[pick], view.scale))
+
+    def _measure(self, result: LoopResult) -> None:
+        """Attention of the kept queries (eqs. 3–4), per source chunk, mean over heads, summed over layers."""
+        seq = self.seq
+        seg = seq.segment_of_row
         num_chunks = len(self.cumulative)
-        to_segment = torch.zeros(m, num_chunks + 1, dtype=probs.dtype, device=probs.device)
-        to_segment.index_add_(1, seg + 1, probs)  # column 0: prefix, separators, question
-        own = seg[rows]
-        earlier = positions[None, :] < rows[:, None]
-        intra = (probs * ((seg[None, :] == own[:, None]) & earlier)).sum(1)
-        for pos, acc in self.attention.items():
-            mine = own == pos
-            if not bool(mine.any()):
-                continue
-            acc.to_segment += to_segment[mine, 1:].sum(0).double().cpu()
-            acc.intra += float(intra[mine].sum())
-            token_inter = to_segment[mine, 1:pos + 1].sum(1).double().cpu()  # to the chunks before it
-            local = (rows[mine] - self.request.chunks[pos].row_start).cpu()
-            if acc.per_token is None:
-                acc.per_token = torch.zeros(self.request.chunks[pos].chunk.num_tokens, dtype=torch.float64)
-            acc.per_token.index_add_(0, local, token_inter)
-            acc.layers += 1
+        positions = torch.arange(seq.num_rows, device=seg.device)
+        for layer, rows, q, scale in self.queries:
+            keys = result.keys[layer].float()
+            m, heads, d = q.shape
+            kv_heads = keys.shape[1]
+            for part in range(0, m, 256):  # bounded memory: (heads, 256, N) at a time
+                r, qp = rows[part:part + 256], q[part:part + 256].float()
+                logits = torch.einsum("mkgd,nkd->kgmn", qp.view(r.numel(), kv_heads, heads // kv_heads, d),
+                                      keys) * scale
+                logits = logits.masked_fill(positions[None, :] > r[:, None], float("-inf"))
+                probs = logits.softmax(-1).mean(dim=(0, 1))  # (m, N)
+                to_segment = torch.zeros(r.numel(), num_chunks + 1, dtype=probs.dtype, device=probs.device)
+                to_segment.index_add_(1, seg + 1, probs)  # column 0: prefix, separators, question
+                own = seg[r]
+                earlier = positions[None, :] < r[:, None]
+                intra = (probs * ((seg[None, :] == own[:, None]) & earlier)).sum(1)
+                for pos, acc in self.attention.items():
+                    mine = own == pos
+                    if not bool(mine.any()):
+                        continue
+                    acc.to_segment += to_segment[mine, 1:].sum(0).double().cpu()
+                    acc.intra += float(intra[mine].sum())
+                    token_inter = to_segment[mine, 1:pos + 1].sum(1).double().cpu()  # to the chunks before it
+                    local = (r[mine] - self.request.chunks[pos].row_start).cpu()
+                    if acc.per_token is None:
+                        acc.per_token = torch.zeros(self.request.chunks[pos].chunk.num_tokens, dtype=torch.float64)
+                    acc.per_token.index_add_(0, local, token_inter)
+            for acc in self.attention.values():
+                acc.layers_seen.add(layer)
+        self.queries.clear()
+        for acc in self.attention.values():
+            acc.layers = len(acc.layers_seen)
 
     # ---- after the loop --------------------------------------------------------------------
 
@@ -457,6 +468,8 @@ class CraftSelection(RowSelection):
         req = self.request
         stored = 0
         try:
+            if self.attention and len(result.keys) == self.adapter.num_layers:
+                self._measure(result)
             for pos, acc in self.attention.items():
                 p = req.chunks[pos]
                 if not p.record or acc.layers == 0 or len(result.keys) != self.adapter.num_layers:
