@@ -457,6 +457,7 @@ def _add_calibrate(subparsers) -> None:
     p.add_argument("--limit", type=int, default=20, help="dev questions to use (default 20)")
     p.add_argument("--data", help="MuSiQue-style JSON (default: the bundled or cached dev set)")
     p.add_argument("--chunks", type=int, default=6, help="passages per request (default 6)")
+    p.add_argument("--alphas", help="comma-separated alphas to try, ascending (default 0.1 to 2.0)")
     p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -468,7 +469,7 @@ def _add_calibrate(subparsers) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from .bench.calibrate import calibrate, store_calibration
+    from .bench.calibrate import ALPHAS, calibrate, store_calibration
     from .bench.datasets import load_dataset, resolve_dataset
     from .engine import CacheBlendEngine
 
@@ -476,12 +477,20 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--target-kl must be a positive number, got {args.target_kl}")
     if args.limit < 1 or args.chunks < 2:
         raise ConfigError("--limit must be ≥ 1 and --chunks ≥ 2")
+    alphas = ALPHAS
+    if args.alphas:
+        try:
+            alphas = tuple(sorted(float(a) for a in args.alphas.split(",")))
+        except ValueError:
+            raise ConfigError(f"--alphas must be comma-separated numbers, got {args.alphas!r}") from None
+        if not alphas or any(not (a >= 0 and math.isfinite(a)) for a in alphas):
+            raise ConfigError(f"--alphas must be numbers ≥ 0, got {args.alphas!r}")
     check_device(args.device)
     items = load_dataset(resolve_dataset(args.data), args.limit)
     # a private memory store: the calibration's requests must not leave variants in the user's KV store
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=None, device=args.device, dtype=args.dtype,
                                               home=args.home)
-    result = calibrate(engine, items, args.target_kl, num_chunks=args.chunks)
+    result = calibrate(engine, items, args.target_kl, alphas=alphas, num_chunks=args.chunks)
     path = None if args.dry_run else store_calibration(engine, result, args.home)
     if args.json:
         print(json.dumps({**result, "path": str(path) if path else None}))
