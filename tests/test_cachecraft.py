@@ -251,3 +251,14 @@ def test_cli_accepts_the_method_and_checks_calibrate_options(capsys):
     assert build_parser().parse_args(["ask", "q?", "--method", "cachecraft"]).method == "cachecraft"
     assert main(["calibrate", "--target-kl", "-1"]) == 2
     assert "--target-kl" in capsys.readouterr().err
+
+
+def test_first_use_full_grows_variants_on_a_warm_corpus(engine):
+    engine.ingest(TEXTS, show_progress=False)
+    reuse = engine.prefill(TEXTS, QUESTION, "cachecraft")
+    assert reuse.stats["cachecraft"]["variants_stored"] == 0  # reused from the isolated KV: nothing in context
+    first = engine.prefill(TEXTS, QUESTION, "cachecraft", first_use="full", use_focus=False)
+    assert [c["budget"] == c["num_tokens"] for c in _chunks(first)] == [False, True, True, True]
+    assert first.stats["cachecraft"]["variants_stored"] == 3
+    again = engine.prefill(TEXTS, QUESTION, "cachecraft", first_use="full")
+    assert again.stats["cachecraft"]["variant_hits"] == 3 and again.stats["num_recomputed"] == 0
