@@ -64,8 +64,8 @@ def calibrate(engine, items: list[dict], target_kl: float, *, alphas: tuple[floa
 
 
 def _share(stats) -> float:
-    """Share of the reused chunks' tokens the request computed (recomputed rows + holes, over chunk tokens)."""
-    chunk_tokens = stats["num_reused"] + stats["num_hole_tokens"] + stats["num_exact_cached"]
+    """Share of the chunks' non-exact tokens the request computed: (recomputed rows + holes) / (reused + holes)."""
+    chunk_tokens = stats["num_reused"] + stats["num_hole_tokens"]
     return (stats["num_recomputed"] + stats["num_hole_tokens"]) / chunk_tokens if chunk_tokens else 0.0
 
 
