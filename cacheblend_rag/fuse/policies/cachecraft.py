@@ -381,7 +381,10 @@ class CraftSelection(RowSelection):
         return ~self.dropped[view.rows]
 
     def _choose_hkvd(self, view: LayerView) -> None:
-        score = hkvd_score(view, "k", "attention")
+        if view.cached_k is None:  # every row computed here (no prefix, all chunks checked): no deviation to see
+            score = question_attention(view)
+        else:
+            score = hkvd_score(view, "k", "attention")
         for p in self.hkvd:
             rows = torch.arange(p.rows.start, p.rows.stop, device=score.device)
             rows = rows[~self.dropped[rows]]
