@@ -25,8 +25,8 @@ POLICIES: dict[str, type] = {
 }
 METHODS: tuple[str, ...] = tuple(POLICIES)
 
-__all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy", "PrefixCache",
-           "make_policy", "option_names", "takes_ratio"]
+__all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
+           "PrefixCache", "make_policy", "option_names", "takes_ratio"]
 
 
 def option_names(policy_cls: type) -> tuple[str, ...]:
