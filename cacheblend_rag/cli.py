@@ -8,6 +8,7 @@
     ... --kv-store memory --kv-store disk:PATH --kv-store redis://HOST:6379/0?prefix=NAME   # KV tiers, any command
     cacheblend-rag delete PATH...      # remove the chunks (and KV) of these files or folders
     cacheblend-rag prune               # remove the chunks (and KV) of files that no longer exist
+    cacheblend-rag calibrate [--target-kl 0.06] [--limit 20]   # Cache-Craft's alpha from dev questions
 
 Exit codes: 0 done; 1 failed (the `error:` line says why: a server that cannot be reached, KV that could not be
 stored, an empty collection, ...); 2 bad usage (an option out of range, an empty question, no such device).
@@ -551,6 +552,69 @@ def _add_serve(subparsers) -> None:
 
 
 REGISTRARS.append(_add_serve)
+
+
+# ---- calibrate (Cache-Craft's α) ----------------------------------------------------------
+
+
+def _add_calibrate(subparsers) -> None:
+    p = subparsers.add_parser("calibrate", help="find Cache-Craft's alpha for a first-token KL target (stored)",
+                              description="The smallest Cache-Craft alpha whose mean first-token KL vs full prefill "
+                              "meets --target-kl on dev questions (eq. 13 of the paper); stored beside the model's "
+                              "profile and used by method=cachecraft when no alpha is given.")
+    p.add_argument("--target-kl", type=float, default=0.06, help="mean first-token KL to meet (default 0.06)")
+    p.add_argument("--limit", type=int, default=20, help="dev questions to use (default 20)")
+    p.add_argument("--data", help="MuSiQue-style JSON (default: the bundled or cached dev set)")
+    p.add_argument("--chunks", type=int, default=6, help="passages per request (default 6)")
+    p.add_argument("--alphas", help="comma-separated alphas to try, ascending (default 0.1 to 2.0)")
+    p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=_calibrate)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .bench.calibrate import ALPHAS, calibrate, store_calibration
+    from .bench.datasets import load_dataset, resolve_dataset
+    from .engine import CacheBlendEngine
+
+    if not (args.target_kl > 0 and math.isfinite(args.target_kl)):
+        raise ConfigError(f"--target-kl must be a positive number, got {args.target_kl}")
+    if args.limit < 1 or args.chunks < 2:
+        raise ConfigError("--limit must be ≥ 1 and --chunks ≥ 2")
+    alphas = ALPHAS
+    if args.alphas:
+        try:
+            alphas = tuple(sorted(float(a) for a in args.alphas.split(",")))
+        except ValueError:
+            raise ConfigError(f"--alphas must be comma-separated numbers, got {args.alphas!r}") from None
+        if not alphas or any(not (a >= 0 and math.isfinite(a)) for a in alphas):
+            raise ConfigError(f"--alphas must be numbers ≥ 0, got {args.alphas!r}")
+    check_device(args.device)
+    items = load_dataset(resolve_dataset(args.data), args.limit)
+    # a private memory store: the calibration's requests must not leave variants in the user's KV store
+    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=None, device=args.device, dtype=args.dtype,
+                                              home=args.home)
+    result = calibrate(engine, items, args.target_kl, alphas=alphas, num_chunks=args.chunks)
+    path = None if args.dry_run else store_calibration(engine, result, args.home)
+    if args.json:
+        print(json.dumps({**result, "path": str(path) if path else None}))
+        return 0
+    for row in result["table"]:
+        print(f"alpha {row['alpha']:<4}  mean KL {row['mean_kl']:.4f}  recomputed {row['recomputed_share']:.1%}")
+    blend = result["cacheblend_0.15"]
+    print(f"cacheblend@0.15  mean KL {blend['mean_kl']:.4f}  recomputed {blend['recomputed_share']:.1%}")
+    verdict = "meets" if result["met"] else "does NOT meet (largest alpha tried)"
+    print(f"alpha = {result['alpha']} {verdict} mean KL ≤ {args.target_kl} on {result['questions']} questions"
+          + (f"; stored in {path}" if path else " (dry run: not stored)"))
+    return 0
+
+
+REGISTRARS.append(_add_calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ import dataclasses
 from ...errors import ConfigError
 from ..policy import Policy
 from .cacheblend import CacheBlend, HKVDSelection, check_ratio
+from .cachecraft import CacheCraft
 from .full_prefill import FullPrefill
 from .full_reuse import FullReuse
 from .prefix_cache import PrefixCache
@@ -20,11 +21,12 @@ POLICIES: dict[str, type] = {
     PrefixCache.name: PrefixCache,
     FullReuse.name: FullReuse,
     CacheBlend.name: CacheBlend,
+    CacheCraft.name: CacheCraft,
 }
 METHODS: tuple[str, ...] = tuple(POLICIES)
 
-__all__ = ["METHODS", "POLICIES", "CacheBlend", "FullPrefill", "FullReuse", "HKVDSelection", "Policy", "PrefixCache",
-           "make_policy", "option_names", "takes_ratio"]
+__all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
+           "PrefixCache", "make_policy", "option_names", "takes_ratio"]
 
 
 def option_names(policy_cls: type) -> tuple[str, ...]:
