@@ -202,6 +202,22 @@ def test_a_corrupt_coded_layer_mid_request_is_a_miss_and_recomputed(tokenizer, t
     assert _meta(path)["codec"] == codec
 
 
+def test_every_entry_of_a_request_corrupt_at_once_is_still_answered(tokenizer, tmp_path):
+    """Each bad entry costs one retry: a request whose stored chunks are all damaged is answered from holes."""
+    ids = _engine(tokenizer, tmp_path, "int8").ingest(TEXTS, show_progress=False)
+    # disk only: a memory tier in front would read every layer when promoting and find all the damage at once
+    fresh = CacheBlendEngine(tiny_model("qwen2", len(tokenizer)), tokenizer, kv_store=[f"disk:{tmp_path}?codec=int8"])
+    for layer, cid in enumerate(ids):  # a different layer per chunk: each retry finds one more bad entry
+        path = tmp_path / fresh.namespace / cid[:2] / f"{cid}.safetensors"
+        start, end = _tensor_span(path, f"{layer}.k")
+        data = bytearray(path.read_bytes())
+        data[(start + end) // 2] ^= 0x5A
+        path.write_bytes(bytes(data))
+    pre = fresh.prefill(ids, QUESTION, method="full_reuse")
+    assert sorted(pre.stats["chunk_misses"]) == sorted(ids) and torch.isfinite(pre.logits).all()
+    assert fresh.kv_store.stats()["corrupt"] == len(ids)
+
+
 @pytest.mark.parametrize("codec", CODED)
 def test_a_payload_the_codec_rejects_is_a_miss_even_with_matching_store_checksums(tmp_path, codec):
     store = DiskStore(tmp_path, codec=codec)

@@ -30,7 +30,9 @@ from .sequence import FusedSequence
 
 logger = logging.getLogger(__name__)
 
-_READ_ATTEMPTS = 3  # a stored layer that fails to read turns its chunk into a hole; then try again
+# A stored layer that fails to read turns its entry into a hole and the request runs again; every entry of the
+# request (each chunk, the prefix segment, a variant) may be bad at once, so allow one retry per entry.
+_EXTRA_READ_ATTEMPTS = 3
 
 
 @dataclass
@@ -130,7 +132,7 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
     started = time.perf_counter()
     if auto_ratio is not None and "recompute_ratio" not in {f.name for f in dataclasses.fields(policy)}:
         raise ConfigError(f'recompute_ratio="auto" needs a method with a recompute ratio, not {policy.name!r}')
-    for _ in range(_READ_ATTEMPTS):
+    for _ in range(len(request.chunks) + _EXTRA_READ_ATTEMPTS):
         try:
             run = _run(cache, policy, request, auto_ratio)
             break
