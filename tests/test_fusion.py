@@ -355,21 +355,19 @@ def test_sliding_window_model_through_the_engine(tokenizer):
 
 def test_holes_are_stored_once_the_answer_is_done(engine, monkeypatch):
     """A chunk first seen as a hole is computed in context, then stored after decoding so the next request hits."""
-    import cacheblend_rag.decode.stream as stream_module
     import cacheblend_rag.engine as engine_module
     from cacheblend_rag.store import KVKey
 
     holes = [f"Hole {i}: a passage that was never ingested, number {i} of three." for i in range(3)]
     ids = [engine.resolve_chunk(h).chunk_id for h in holes]
     stored_when_decoding: list[tuple[bool, ...]] = []
-    decode = engine_module.decode
+    decode = engine_module.kv_decode  # the engine's decoder, for generate and (on its worker) stream alike
 
     def observed_decode(*args, **kwargs):  # the real decode; it only notes whether the holes were stored yet
         stored_when_decoding.append(tuple(engine.kv_store.contains(KVKey(engine.namespace, i)) for i in ids[1:]))
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "decode", observed_decode)  # generate decodes here...
-    monkeypatch.setattr(stream_module, "decode", observed_decode)  # ...and stream on its worker, in decode/stream.py
+    monkeypatch.setattr(engine_module, "kv_decode", observed_decode)
     pre = engine.prefill(TEXTS[:1] + holes[:1], QUESTION, store_holes=False)
     assert pre.stats["chunk_misses"] == ids[:1] and [c.chunk_id for c in pre.unstored_holes] == ids[:1]
     assert engine.prefill(TEXTS[:1] + holes[:1], QUESTION).stats["chunk_misses"] == ids[:1]  # not stored: a miss
