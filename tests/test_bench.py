@@ -300,9 +300,13 @@ def test_bench_modes_exclude_each_other(tmp_path):
 def test_engine_methods_are_the_policy_registry_s():
     from cacheblend_rag.fuse.policies import METHODS
 
+    from cacheblend_rag.bench.methods import NAMED_ONLY
+
     default = parse_methods(None, (0.15,), chains=False)
-    assert [s.method for s in default] == list(METHODS) and not any(s.is_chain for s in default)
-    assert {s.method for s in parse_methods(None, (0.15,))} == set(METHODS) | {"stuff", "tutorial", "map_reduce", "map_rerank"}
+    engine_methods = [m for m in METHODS if m not in NAMED_ONLY]
+    assert [s.method for s in default] == engine_methods and not any(s.is_chain for s in default)
+    assert {s.method for s in parse_methods(None, (0.15,))} == set(engine_methods) | {"stuff", "tutorial", "map_reduce", "map_rerank"}
+    assert [s.method for s in parse_methods("cachecraft")] == ["full_prefill", "cachecraft"]  # when named
 
 
 def test_loading_bench_compares_tiers_and_auto(tokenizer, tmp_path):
