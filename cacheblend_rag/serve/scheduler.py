@@ -124,16 +124,14 @@ class Job:
 _STOP = object()
 
 
-class Scheduler:
-    """A bounded FIFO of jobs and one worker thread that runs them with `run(job)`, one at a time."""
+class _QueueWorker:
+    """A bounded FIFO of jobs and the one worker thread that takes them (`_work`, per scheduler)."""
 
-    def __init__(self, run: Callable[[Job], None], max_queue: int) -> None:
+    def __init__(self, max_queue: int) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be ≥ 1, got {max_queue}")
-        self._run = run
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
-        self._running = 0
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -149,20 +147,32 @@ class Scheduler:
             raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
 
     def depth(self) -> int:
-        """Jobs waiting (not counting the running one)."""
+        """Jobs waiting for the engine (not counting those it is working on)."""
         return self._queue.qsize()
 
-    def batch_size(self) -> int:
-        """Jobs the engine is working on now (0 or 1 until decoding is batched)."""
-        return self._running
-
     def stop(self, timeout: float | None = None) -> None:
-        """Let the worker finish the queued jobs, then end it."""
+        """Let the worker finish the queued and running jobs, then end it."""
         if self._thread is None:
             return
         self._queue.put(_STOP)
         self._thread.join(timeout)
         self._thread = None
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+
+class Scheduler(_QueueWorker):
+    """A bounded FIFO of jobs and one worker thread that runs them with `run(job)`, one at a time."""
+
+    def __init__(self, run: Callable[[Job], None], max_queue: int) -> None:
+        super().__init__(max_queue)
+        self._run = run
+        self._running = 0
+
+    def batch_size(self) -> int:
+        """Jobs the engine is working on now (0 or 1)."""
+        return self._running
 
     def _work(self) -> None:
         while True:
@@ -194,51 +204,23 @@ class Decoding(Protocol):
     def done(self) -> Done: ...
 
 
-class BatchScheduler:
+class BatchScheduler(_QueueWorker):
     """A bounded FIFO of jobs and one worker thread: a job is prefilled by `start(job)` and joins the running
     decode batch (at most `max_batch`); `step(active)` advances every active job by one token and returns each
     one's text piece."""
 
     def __init__(self, start: Callable[[Job], Decoding], step: Callable[[list], list[str]], max_queue: int,
                  max_batch: int = 8) -> None:
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be ≥ 1, got {max_queue}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
+        super().__init__(max_queue)
         self._start, self._step = start, step
         self.max_batch = max_batch
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._thread: threading.Thread | None = None
         self._active: list[Decoding] = []
-
-    def start(self) -> None:
-        """Start the worker thread."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="cacheblend-engine", daemon=True)
-            self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        """Queue a job; raises QueueFull when `max_queue` jobs already wait."""
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
-
-    def depth(self) -> int:
-        """Jobs waiting for their prefill."""
-        return self._queue.qsize()
 
     def batch_size(self) -> int:
         """Jobs decoding now."""
         return len(self._active)
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Let the worker finish the queued and running jobs, then end it."""
-        if self._thread is None:
-            return
-        self._queue.put(_STOP)
-        self._thread.join(timeout)
-        self._thread = None
 
     def _admit(self, job: Job) -> None:
         reason = job.should_stop()
