@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from pathlib import Path
 
 from tqdm.auto import tqdm
 
@@ -154,48 +155,11 @@ def rss_peak_mb(pid: int) -> float | None:
     return None
 
 
-class ServerRun:
-    """`cacheblend-rag serve` in a subprocess on a free loopback port (a context manager; SIGTERM on exit)."""
+def _server(home, model: str, dtype: str, *args: str):
+    """`cacheblend-rag serve` on a free loopback port: a context manager, healthy on entry, SIGTERM on exit."""
+    from .replicas import Replica
 
-    def __init__(self, home, model: str, dtype: str, *args: str) -> None:
-        import socket
-        import subprocess
-        import sys
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.model = model
-        cmd = [sys.executable, "-m", "cacheblend_rag.cli", "serve", "--port", str(port), "--home", str(home),
-               "--model", model, "--dtype", dtype, "--timeout", "3600", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def __enter__(self) -> "ServerRun":
-        import httpx
-
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not become healthy in 600 s")
-            time.sleep(0.5)
-
-    def __exit__(self, *exc) -> None:
-        import signal
-
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(300)
-        except Exception:  # noqa: BLE001 - a stuck server is killed, the bench goes on
-            self.proc.kill()
-            self.proc.wait(30)
+    return Replica(Path(home), [], "--timeout", "3600", *args, model=model, dtype=dtype, device="auto", name="load")
 
 
 def run_serve_load(items: list[dict], *, model: str = "smollm2-135m", dtype: str = "auto", num_chunks: int = 6,
@@ -218,7 +182,7 @@ def run_serve_load(items: list[dict], *, model: str = "smollm2-135m", dtype: str
         (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
         for label, args in (("batching (max-batch 8)", ("--max-batch", "8")),
                             ("one at a time (max-batch 1)", ("--max-batch", "1"))):
-            with ServerRun(home, model, dtype, *args, "--max-queue", str(num_requests)) as server:
+            with _server(home, model, dtype, *args, "--max-queue", str(num_requests)) as server:
                 # warm-up: every request's passages stored (the KV tier is on disk under the shared home)
                 run_http_load(server.url, model, requests, concurrency=concurrency, max_tokens=1)
                 for method in methods:
@@ -226,7 +190,7 @@ def run_serve_load(items: list[dict], *, model: str = "smollm2-135m", dtype: str
                                            max_tokens=max_tokens, method=method)
                     out["runs"].append({"server": label, "method": method, **result})
                 out.setdefault("rss_peak_mb", {})[label] = rss_peak_mb(server.proc.pid)
-        with ServerRun(home, model, dtype, "--max-batch", "2", "--max-queue", str(overload_queue)) as server:
+        with _server(home, model, dtype, "--max-batch", "2", "--max-queue", str(overload_queue)) as server:
             burst = [requests[i % len(requests)] for i in range(overload_clients)]
             result = run_http_load(server.url, model, burst, concurrency=overload_clients, max_tokens=8)
             out["overload"] = {"clients": overload_clients, "max_queue": overload_queue, "max_batch": 2, **result,

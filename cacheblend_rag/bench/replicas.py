@@ -96,19 +96,26 @@ class Replica:
     """`cacheblend-rag serve` in a subprocess on a free port; ready once /health answers."""
 
     def __init__(self, home: Path, kv_store: list[str], *args: str, model: str = "smollm2-135m",
-                 env: dict[str, str] | None = None, name: str = "replica") -> None:
+                 env: dict[str, str] | None = None, name: str = "replica", dtype: str = "float32",
+                 device: str = "cpu") -> None:
         self.home, self.name = Path(home), name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = self.home / f"{name}-{self.port}.log"
         cmd = [sys.executable, "-m", "cacheblend_rag.cli", "serve", "--port", str(self.port), "--home", str(home),
-               "--model", model, "--dtype", "float32", "--device", "cpu", *args]
+               "--model", model, "--dtype", dtype, "--device", device, *args]
         for tier in kv_store:
             cmd += ["--kv-store", tier]
         env = dict(env if env is not None else os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false", ANONYMIZED_TELEMETRY="False")
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def __enter__(self) -> "Replica":
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def wait_ready(self, limit_s: float = START_LIMIT_S) -> "Replica":
         """Block until /health answers (bounded); RuntimeError with the log if it exits or never answers."""
