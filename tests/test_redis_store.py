@@ -385,3 +385,30 @@ def test_two_engines_sharing_one_redis_a_chunk_ingested_on_one_is_a_hit_on_the_o
     pre_a = a.prefill(ids, QUESTION)
     assert pre_a.stats["chunk_hits"] == ids and pre_a.stats["kv_bytes_by_tier"].get("redis", 0) == 0
     assert torch.equal(pre_a.logits, pre_b.logits)  # the same KV, bit for bit
+
+
+# ---- codec=auto: the link measured, the codec chosen --------------------------------------
+
+
+def test_codec_auto_behind_a_slow_link_picks_a_smaller_codec_and_round_trips(server) -> None:
+    proxy = replicas.PacedProxy(server.port, 100e6).start()  # 100 Mbit/s: fp16 is the slowest to fetch
+    try:
+        store = RedisStore.from_url(f"redis://127.0.0.1:{proxy.port}/0?codec=auto", dtype=torch.float32,
+                                    retry_after_s=0.0, socket_timeout=5.0)
+        assert store.codec is not None and store.codec.name in ("int8", "cachegen")
+        kv = make_kv()
+        store.put(key(), kv)
+        got = store.get(key())
+        assert got is not None and (got.keys[1] - kv.keys[1]).abs().max() < 0.5
+    finally:
+        proxy.stop()
+    assert not list(server.client().scan_iter("*.probe:*"))  # the probe value is gone
+
+
+def test_codec_auto_with_redis_down_warns_and_assumes_a_1_gbit_link(server, caplog) -> None:
+    url = server.url
+    server.stop()
+    with caplog.at_level(logging.WARNING):
+        store = RedisStore.from_url(f"{url}?codec=auto", retry_after_s=0.0)
+    assert "cannot measure the Redis tier" in caplog.text and "assuming 0.12 GB/s" in caplog.text
+    assert store.get(key()) is None  # down: a miss, not an error

@@ -21,6 +21,7 @@ from pathlib import Path
 from .replicas import ProxyProcess, RedisServer
 
 CODECS = ("fp16", "int8", "cachegen")
+AUTO = "auto"  # the tier's own choice (RedisStore codec="auto": the link measured, choose_codec's pick)
 
 
 def cross_replica(items: list[tuple[str, list[str]]], *, model: str, home: str | None, ratio: float = 0.15,
@@ -74,10 +75,10 @@ def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str |
 
     base = CacheBlendEngine.from_pretrained(model, kv_store=None, device=device, dtype=dtype, home=home)
     m, tok = base.model, base.tokenizer
-    ttft: dict[str, list[float]] = {c: [] for c in CODECS}
+    ttft: dict[str, list[float]] = {c: [] for c in (*CODECS, AUTO)}
     ttft["recompute (full prefill)"] = []
-    kl: dict[str, list[float]] = {c: [] for c in CODECS}
-    loaded: dict[str, list[int]] = {c: [] for c in CODECS}
+    kl: dict[str, list[float]] = {c: [] for c in (*CODECS, AUTO)}
+    loaded: dict[str, list[int]] = {c: [] for c in (*CODECS, AUTO)}
     with tempfile.TemporaryDirectory(prefix="cacheblend-remote-") as tmp:
         redis_server = RedisServer(Path(tmp)).start()
         proxy = ProxyProcess(redis_server.port, bits_per_s)
@@ -87,15 +88,19 @@ def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str |
             readers = {c: CacheBlendEngine(m, tok, kv_store=RedisStore.from_url(
                 f"redis://127.0.0.1:{proxy.port}/0?prefix={c}&codec={c}", socket_timeout=30.0), home=home)
                 for c in CODECS}
+            # codec=auto measures the link it is given and picks; it writes and reads through the proxy
+            auto = RedisStore.from_url(f"redis://127.0.0.1:{proxy.port}/0?prefix=auto&codec=auto",
+                                       socket_timeout=30.0)
+            picked = auto.codec.name if auto.codec is not None else "fp16"
+            writers[AUTO] = readers[AUTO] = CacheBlendEngine(m, tok, kv_store=auto, home=home)
             for i, (question, docs) in enumerate(items):
-                ids = None
-                for c in CODECS:
-                    ids = writers[c].ingest(docs, show_progress=False)
-                full = base.prefill(ids, question, method="full_prefill")
+                for c in (*CODECS, AUTO):
+                    writers[c].ingest(docs, show_progress=False)
+                full = base.prefill(docs, question, method="full_prefill")
                 timed = i > 0  # the first question warms every engine up, untimed
                 if timed:
                     ttft["recompute (full prefill)"].append(full.stats["ttft_s"])
-                for c in CODECS:
+                for c in (*CODECS, AUTO):
                     pre = readers[c].prefill(docs, question, recompute_ratio=ratio)
                     if pre.stats["chunk_misses"]:
                         raise RuntimeError(f"{c}: chunks missed through the proxy: {pre.stats['chunk_misses']}")
@@ -107,12 +112,12 @@ def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str |
             proxy.stop()
             redis_server.stop()
     out = {name: {"ttft_median_s": statistics.median(v)} for name, v in ttft.items()}
-    for c in CODECS:
+    for c in (*CODECS, AUTO):
         out[c].update(kl_mean=statistics.fmean(kl[c]), kv_mb_per_request=statistics.fmean(loaded[c]) / 1e6,
                       link_s=statistics.fmean(loaded[c]) * 8 / bits_per_s)
-    fastest = min(out, key=lambda k: out[k]["ttft_median_s"])
+    fastest = min((k for k in out if k != AUTO), key=lambda k: out[k]["ttft_median_s"])
     return {"ratio": ratio, "bits_per_s": bits_per_s, "questions": len(items) - 1, "by_method": out,
-            "fastest": fastest, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "fastest": fastest, "auto_picked": picked, "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def format_shared_tier(cross: dict | None, remote: dict | None) -> str:
@@ -128,7 +133,8 @@ def format_shared_tier(cross: dict | None, remote: dict | None) -> str:
                   f"| (a, computing every chunk: cold) | {m['cold_prefill_s']:.3f} |", ""]
     if remote:
         lines += [f"Redis behind a {remote['bits_per_s'] / 1e9:g} Gbit/s paced link, CacheBlend r={remote['ratio']} "
-                  f"({remote['questions']} questions, medians); fastest: **{remote['fastest']}**", "",
+                  f"({remote['questions']} questions, medians); fastest: **{remote['fastest']}**; codec=auto "
+                  f"measured the link and picked **{remote['auto_picked']}**", "",
                   "| KV from | TTFT (s) | KV read per request (MB) | its time on the link (s) | first-token KL |",
                   "|---|---:|---:|---:|---:|"]
         for name, row in remote["by_method"].items():

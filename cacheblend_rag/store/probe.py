@@ -245,11 +245,20 @@ def _probe_codecs() -> dict[str, CodecProfile]:
     return measure_codec_profiles()
 
 
-def auto_codec(tier: str, root: str | Path | None = None) -> str:
-    """The codec for a "?codec=auto" tier of open_store: measures the tier (memory copy, or a cold read under
-    `root` for disk) and the codecs' decode speed once per process, and returns choose_codec's pick."""
+CONSERVATIVE_REMOTE = TierProfile("redis", 125e6)  # 1 Gbit/s, when a remote tier cannot be measured
+
+
+def auto_codec(tier: str, root: str | Path | None = None, *, profile: TierProfile | None = None) -> str:
+    """The codec for a "codec=auto" tier: measures the tier (memory copy, or a cold read under `root` for disk;
+    a remote tier passes its own measured `profile`, None when it could not measure) and the codecs' decode speed
+    once per process, and returns choose_codec's pick."""
     try:
-        if tier == "disk" and root is not None:
+        if tier not in ("memory", "disk"):
+            if profile is None:
+                profile = CONSERVATIVE_REMOTE
+                logger.warning("cannot measure the %s tier; assuming %.2f GB/s", tier,
+                               profile.read_bytes_per_s / 1e9)
+        elif tier == "disk" and root is not None:
             profile = measure_disk(root, 16 * 1024**2, reserve_bytes=64 * 1024**2)
         else:
             profile = measure_memory(torch.device("cpu"), torch.float32, 16 * 1024**2)

@@ -25,7 +25,7 @@ import time
 import uuid
 import zlib
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import torch
@@ -33,6 +33,9 @@ import torch
 from ..errors import ConfigError, KVWriteError, MissingDependencyError
 from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
 from .codecs import CODECS, CodecError, KVCodec, RawCodec, get_codec
+
+if TYPE_CHECKING:
+    from .probe import TierProfile
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -148,20 +151,15 @@ class RedisStore:
         if socket_timeout <= 0 or connect_timeout <= 0 or max_connections < 1 or retry_after_s < 0:
             raise ConfigError("socket_timeout and connect_timeout must be > 0, max_connections >= 1, "
                               "retry_after_s >= 0")
-        if isinstance(codec, str):
-            if codec not in CODECS:
-                raise ConfigError(f"unknown KV codec {codec!r} for the Redis tier; choose one of {sorted(CODECS)}")
-            codec = get_codec(codec)
-        if not isinstance(codec, KVCodec):
+        if isinstance(codec, str) and codec != "auto" and codec not in CODECS:
+            raise ConfigError(f"unknown KV codec {codec!r} for the Redis tier; choose one of {sorted(CODECS)} "
+                              "or auto")
+        if not isinstance(codec, (str, KVCodec)):
             raise ConfigError(f"codec must be a codec name {sorted(CODECS)} or a KVCodec, got {type(codec).__name__}")
-        # A raw codec keeps the version-1 layout (fp16 stores in `dtype`, as before; bf16/fp32 in theirs).
-        self.codec: KVCodec | None = None if isinstance(codec, RawCodec) else codec
-        if isinstance(codec, RawCodec) and codec.name != "fp16":
-            dtype = codec.dtype
         self.url = _display(url)
         self.prefix = prefix
-        self.dtype = dtype
         self.retry_after_s = retry_after_s
+        self._socket_timeout = socket_timeout
         self._redis = redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -184,6 +182,14 @@ class RedisStore:
         self._hits = self._misses = self._puts = self._corrupt = 0
         self._errors = self._skipped = self._outages = 0
         self._bytes_read = self._bytes_written = 0
+        if codec == "auto":  # measured over this connection: a remote link is what the choice is about
+            from .probe import auto_codec
+
+            codec = auto_codec("redis", profile=self.measure_read())
+        codec = get_codec(codec) if isinstance(codec, str) else codec
+        # A raw codec keeps the version-1 layout (fp16 stores in `dtype`, as before; bf16/fp32 in theirs).
+        self.codec: KVCodec | None = None if isinstance(codec, RawCodec) else codec
+        self.dtype = codec.dtype if isinstance(codec, RawCodec) and codec.name != "fp16" else dtype
         logger.info("Redis KV tier at %s, prefix %r, %s", self.url, prefix,
                     self.codec.name if self.codec is not None else _dtype_name(dtype))
 
@@ -202,6 +208,35 @@ class RedisStore:
         return cls(plain, dtype=dtype, **options)
 
     # ---- public API -------------------------------------------------------------------
+
+    def measure_read(self, num_bytes: int = 1024**2, repeats: int = 3) -> "TierProfile | None":
+        """Read throughput of this connection (the best of `repeats` GETs of a probe value), or None when Redis
+        cannot be reached or written. The probe key expires by itself if this process dies before deleting it."""
+        from .probe import TierProfile
+
+        name = f"{self.prefix}:.probe:{uuid.uuid4().hex}"
+        try:
+            self._client.set(name, bytes(num_bytes), px=60_000)
+            best = float("inf")
+            for _ in range(repeats):
+                started = time.perf_counter()
+                data = self._client.get(name)
+                best = min(best, time.perf_counter() - started)
+                if data is None or len(data) != num_bytes:
+                    return None
+            return TierProfile("redis", num_bytes / max(best, 1e-9))
+        except self._redis.exceptions.TimeoutError:  # slower than the timeout allows: that is the measurement
+            logger.warning("the Redis tier at %s took over %.1f s for a %d-byte probe", self.url,
+                           self._socket_timeout, num_bytes)
+            return TierProfile("redis", num_bytes / self._socket_timeout)
+        except self._outage_errors + (self._redis.exceptions.RedisError,) as e:
+            logger.warning("cannot measure the Redis tier at %s (%s)", self.url, e)
+            return None
+        finally:
+            try:
+                self._client.delete(name)
+            except self._outage_errors + (self._redis.exceptions.RedisError,):
+                pass
 
     def name_for(self, key: KVKey) -> str:
         """The Redis key of an entry."""
