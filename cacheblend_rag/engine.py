@@ -477,14 +477,13 @@ class CacheBlendEngine:
         if self.decoder != "kv":
             raise ConfigError(f'batched decoding needs decoder="kv", this engine uses {self.decoder!r}')
         with self._decodable(run_prefill, sampling) as pre:
-            seq = self._kv_decoder.sequence(pre.token_ids, pre.keys, pre.values, sampling)
+            seq = self._kv_decoder.sequence(pre.token_ids, pre.keys, pre.values, sampling, first_logits=pre.logits)
         return seq, pre.stats
 
     def _generate(self, run_prefill, sampling: SamplingOptions) -> Generation:
         with self._decodable(run_prefill, sampling) as pre:
             started = time.perf_counter()
-            model, decode_fn = self._decode_fn()
-            new_ids = decode_fn(model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling)
+            new_ids = self._decode(pre, sampling)
             decode_s = time.perf_counter() - started
         text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
         stats = dataclasses.replace(pre.stats, num_generated=int(new_ids.numel()),
@@ -492,13 +491,16 @@ class CacheBlendEngine:
         return Generation(text.strip(), new_ids.tolist(), pre.stats.ttft_s, stats, pre.logits)
 
     def _stream(self, run_prefill, sampling: SamplingOptions, stats: dict | None) -> Iterator[str]:
-        model, decode_fn = self._decode_fn()
-        return stream_decode(lambda: self._decodable(run_prefill, sampling), model, self.tokenizer, sampling,
-                             stats, decode_fn)
+        return stream_decode(lambda: self._decodable(run_prefill, sampling), self.tokenizer, sampling,
+                             lambda pre, streamer, cancel: self._decode(pre, sampling, streamer, cancel), stats)
 
-    def _decode_fn(self):
-        """(first argument, function) of the chosen decoder."""
-        return (self.adapter, kv_decode) if self.decoder == "kv" else (self.model, decode)
+    def _decode(self, pre: Prefill, sampling: SamplingOptions, streamer=None, cancel=None) -> torch.Tensor:
+        """New token ids after the prefill, with the chosen decoder: "kv" takes its first token from the prefill's
+        logits (no step recomputes the last prompt token); "hf", the reference, recomputes it as generate does."""
+        if self.decoder == "kv":
+            return kv_decode(self.adapter, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer,
+                             cancel, first_logits=pre.logits)
+        return decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
 
     @contextmanager
     def _decodable(self, run_prefill, sampling: SamplingOptions) -> Iterator[Prefill]:

@@ -87,6 +87,26 @@ def test_sequences_of_different_lengths_batched_equal_each_alone(tiny):
     assert [s.finish_reason for s in seqs] == ["length"] * 3
 
 
+def test_the_first_token_comes_from_the_prefill_logits_without_a_step(tiny):
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer)
+    engine.ingest(TEXTS, show_progress=False)
+    pre = engine.prefill(TEXTS, QUESTIONS[0], store_holes=False)
+    first = int(pre.logits.argmax())
+    seq, _ = engine.start(TEXTS, QUESTIONS[0], max_new_tokens=8)
+    # chosen before any step: every prompt row is in the buffer, the first word is ready to hand out
+    assert seq.generated == [first] and seq.length == pre.token_ids.numel()
+    assert seq.first_piece == tokenizer.decode([first], skip_special_tokens=True)
+    while not seq.finished:
+        engine.advance([seq])
+    # the same answer as recomputing the last prompt token first (the reference path's way)
+    decoder = KVDecoder(engine.adapter, tokenizer)
+    assert seq.generated == kv_decode(engine.adapter, tokenizer, pre.token_ids, pre.keys, pre.values,
+                                      SamplingOptions(max_new_tokens=8)).tolist()
+    assert engine.generate(TEXTS, QUESTIONS[0], max_new_tokens=1).token_ids == [first]
+    assert decoder.sequence(pre.token_ids, pre.keys, pre.values, SamplingOptions(1), first_logits=pre.logits).finished
+
+
 def test_stop_strings_and_cancel_on_the_kv_path(tiny):
     _, model, tokenizer = tiny
     kv, hf = _engines(model, tokenizer)

@@ -9,7 +9,9 @@ once from the prefill's per-layer keys (after RoPE) and values. A step runs the 
 Projections, MLP and LM head run batched over the B rows of the step (one per sequence); attention runs per
 sequence over its own rows, so sequences of different lengths advance together (continuous batching).
 
-As HF `generate` over the prefill's cache does (the reference path, `decode.generate.decode`), the buffer gets the
+The first token comes from the prefill's own logits when they are given (`first_logits`: the engine's path), so
+the first text piece is out one decode step sooner and every prompt row goes into the buffer. Without them, as
+HF `generate` over the prefill's cache does (the reference path, `decode.generate.decode`), the buffer gets the
 first N-1 prompt rows and the first step recomputes the last prompt token; greedy tokens are then the same.
 """
 
@@ -85,16 +87,18 @@ class KVSequence:
     and the answer so far (token ids, text pieces, stop strings, EOS)."""
 
     def __init__(self, decoder: "KVDecoder", token_ids: torch.Tensor, keys: Sequence[torch.Tensor],
-                 values: Sequence[torch.Tensor], settings: SamplingOptions, tokenizer=None) -> None:
+                 values: Sequence[torch.Tensor], settings: SamplingOptions, tokenizer=None,
+                 first_logits: torch.Tensor | None = None) -> None:
         n = int(token_ids.numel())
         capacity = n + settings.max_new_tokens
         shape = (decoder.num_layers, capacity, decoder.num_kv_heads, decoder.head_dim)
         self.k = torch.empty(shape, dtype=decoder.dtype, device=decoder.device)
         self.v = torch.empty(shape, dtype=decoder.dtype, device=decoder.device)
-        for layer, (k, v) in enumerate(zip(keys, values)):  # the one copy: prompt rows 0..N-2
-            self.k[layer, :n - 1].copy_(k[:n - 1])
-            self.v[layer, :n - 1].copy_(v[:n - 1])
-        self.length = n - 1  # filled rows; the next token is written at this row (its position)
+        rows = n if first_logits is not None else n - 1  # without the prefill's logits, a step recomputes row N-1
+        for layer, (k, v) in enumerate(zip(keys, values)):  # the one copy of the prompt rows
+            self.k[layer, :rows].copy_(k[:rows])
+            self.v[layer, :rows].copy_(v[:rows])
+        self.length = rows  # filled rows; the next token is written at this row (its position)
         self.next_token = int(token_ids[-1])
         self.settings = settings
         self.eos = decoder.eos_token_id
@@ -106,6 +110,8 @@ class KVSequence:
         self._text = IncrementalText(tokenizer) if tokenizer is not None else None
         self._stop = StopFilter(settings.stop)
         self._raw = ""  # all text so far, for stop strings when no one reads the pieces
+        # the text of the token chosen from the prefill's logits, for the caller to hand out before any step
+        self.first_piece = self.accept(self.choose(first_logits)) if first_logits is not None else ""
 
     @property
     def finished(self) -> bool:
@@ -163,9 +169,11 @@ class KVDecoder:
         self.gqa = self.num_heads != self.num_kv_heads
 
     def sequence(self, token_ids: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
-                 settings: SamplingOptions, text: bool = True) -> KVSequence:
-        """A sequence ready to decode after the prompt `token_ids` (N,) whose fused KV is given."""
-        return KVSequence(self, token_ids, keys, values, settings, self.tokenizer if text else None)
+                 settings: SamplingOptions, text: bool = True,
+                 first_logits: torch.Tensor | None = None) -> KVSequence:
+        """A sequence ready to decode after the prompt `token_ids` (N,) whose fused KV is given; with the
+        prefill's `first_logits` (vocab,), its first token is already chosen (`first_piece` is its text)."""
+        return KVSequence(self, token_ids, keys, values, settings, self.tokenizer if text else None, first_logits)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q (1, H, d) over k, v (n, KVH, d) → (1, H, d); one query sees every key (they are all before it)."""
@@ -216,13 +224,17 @@ class KVDecoder:
 
 @torch.inference_mode()
 def kv_decode(adapter, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-              settings: SamplingOptions, streamer=None, cancel: threading.Event | None = None) -> torch.Tensor:
+              settings: SamplingOptions, streamer=None, cancel: threading.Event | None = None,
+              first_logits: torch.Tensor | None = None) -> torch.Tensor:
     """New token ids after the prompt `token_ids` (N,), whose fused KV is given: `decode.generate.decode`'s
-    contract (EOS, stop strings, `streamer.put`/`end`, stops early once `cancel` is set) on the adapter path."""
+    contract (EOS, stop strings, `streamer.put`/`end`, stops early once `cancel` is set) on the adapter path;
+    `first_logits`, the prefill's next-token logits, give the first token without a step."""
     decoder = KVDecoder(adapter, tokenizer)
-    seq = decoder.sequence(token_ids, keys, values, settings, text=bool(settings.stop))
+    seq = decoder.sequence(token_ids, keys, values, settings, text=bool(settings.stop), first_logits=first_logits)
     if streamer is not None:
         streamer.put(token_ids[None].cpu())  # the prompt, which the streamer skips
+        if seq.generated:
+            streamer.put(torch.tensor([seq.generated[-1]]))
     try:
         while not seq.finished and not (cancel is not None and cancel.is_set()):
             decoder.advance([seq])

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .generate import SamplingOptions, cut_at_stop, decode
+from .generate import SamplingOptions, cut_at_stop
 
 
 def token_streamer(tokenizer):
@@ -39,15 +39,16 @@ def token_streamer(tokenizer):
     return TokenStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], model, tokenizer,
-                  sampling: SamplingOptions, stats: dict | None = None,
-                  decode_fn: Callable[..., Any] = decode) -> Iterator[str]:
+def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], tokenizer, sampling: SamplingOptions,
+                  decode_prefill: Callable[[Any, Any, threading.Event], Any], stats: dict | None = None,
+                  ) -> Iterator[str]:
     """Yield the text pieces of the answer to the prefill that `open_prefill()` enters (on the worker thread).
 
-    `stats`, if given, gets the prefill's stats as soon as the first piece can arrive, then `num_generated` and
-    `timing.decode_s`. Closing the generator early (a `break`, a disconnected client) stops decoding at the next
-    token and waits for the worker. `decode_fn` has `decode.generate.decode`'s signature (`model` is its first
-    argument: the HF model for that one, the adapter for `kv_decode.kv_decode`).
+    `decode_prefill(pre, streamer, cancel)` decodes after the prefill `pre` (the engine's chosen decoder), putting
+    tokens to `streamer` and stopping once `cancel` is set; it returns the new token ids. `stats`, if given, gets
+    the prefill's stats as soon as the first piece can arrive, then `num_generated` and `timing.decode_s`.
+    Closing the generator early (a `break`, a disconnected client) stops decoding at the next token and waits for
+    the worker.
     """
     streamer = token_streamer(tokenizer)
     errors: queue.Queue[BaseException] = queue.Queue()
@@ -63,7 +64,7 @@ def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], model
                     streamer.end()
                     return
                 started = time.perf_counter()
-                new_ids = decode_fn(model, tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
+                new_ids = decode_prefill(pre, streamer, cancel)
                 if stats is not None:
                     stats["num_generated"] = int(new_ids.numel())
                     stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)

@@ -127,6 +127,11 @@ class ActiveRequest:
         """Whether its answer is complete (EOS, a stop string or max_tokens)."""
         return self.sequence.finished
 
+    @property
+    def first_piece(self) -> str:
+        """The text of the first token, chosen from the prefill's logits before any decode step."""
+        return self.sequence.first_piece
+
     def done(self) -> Done:
         """The Done event with the request's final stats."""
         seq = self.sequence

@@ -201,6 +201,9 @@ class Decoding(Protocol):
     @property
     def finished(self) -> bool: ...
 
+    @property
+    def first_piece(self) -> str: ...  # text ready before the first step (the prefill chose its token)
+
     def done(self) -> Done: ...
 
 
@@ -233,7 +236,9 @@ class BatchScheduler(_QueueWorker):
         except BaseException as e:  # noqa: BLE001 - every failure goes back to its request, the worker lives on
             job.emit(Failed(e))
             return
-        if active.finished:  # e.g. nothing left to generate
+        if active.first_piece:  # out now: the first word does not wait for the batch's next step
+            job.emit(Piece(active.first_piece))
+        if active.finished:  # e.g. EOS or max_tokens=1 from the prefill's own token
             job.emit(active.done())
         else:
             self._active.append(active)
