@@ -122,6 +122,27 @@ def test_attend_equals_sdpa_over_a_sliced_head_major_buffer(dtype, tol, heads, k
     assert not torch.allclose(outs[0], outs[1], atol=tol)  # the window does change what is attended
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_weights_compute_what_the_hf_modules_do(tiny, dtype, tol):
+    from conftest import tiny_model
+    from cacheblend_rag.models.adapter import get_adapter
+
+    arch, model, tokenizer = tiny
+    adapter = get_adapter(tiny_model(arch, len(tokenizer)).to(dtype))  # its own copy: packing is per adapter
+    if not adapter.packed():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, model.config.hidden_size, generator=gen).to(dtype)
+    for layer in (0, adapter.num_layers - 1):
+        for ours, theirs in zip(adapter.project_qkv(layer, hidden, packed=True), adapter.project_qkv(layer, hidden)):
+            assert ours.shape == theirs.shape and torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
+        attn = torch.randn(3, adapter.num_heads, adapter.head_dim, generator=gen).to(dtype)
+        ours, theirs = adapter.finish_layer(layer, hidden, attn, packed=True), adapter.finish_layer(layer, hidden, attn)
+        assert torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
+    ours, theirs = adapter.logits(hidden, packed=True), adapter.logits(hidden)
+    assert ours.shape == (3, len(tokenizer)) and torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
+
+
 def test_stop_filter_cuts_a_stop_string_across_pieces():
     f = StopFilter(("END",))
     out = [f.push(p) for p in ["ab", "cE", "N", "Dx"]]

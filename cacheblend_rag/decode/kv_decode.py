@@ -205,10 +205,11 @@ class KVDecoder:
         for s in seqs:
             if s.length >= s.k.shape[2]:
                 raise RuntimeError("a sequence decoded past its preallocated KV (max_new_tokens)")
+        packed = adapter.packed()  # oneDNN-packed weights for the one-row matmuls (built on the first step)
         cos, sin = adapter.rotary(positions)
         hidden = adapter.embed(ids)
         for layer in range(self.num_layers):
-            q, k, v = adapter.project_qkv(layer, hidden)
+            q, k, v = adapter.project_qkv(layer, hidden, packed)
             q = adapter.rope(q, cos, sin)
             k = adapter.rope(k, cos, sin)
             scale, window = self.scales[layer], self.windows[layer]
@@ -219,10 +220,10 @@ class KVDecoder:
                 s.v[layer, :, row] = v[i]
                 lo = max(0, row + 1 - window) if window else 0
                 attend(q[i], s.k[layer, :, lo:row + 1], s.v[layer, :, lo:row + 1], scale, out[i])
-            hidden = adapter.finish_layer(layer, hidden, out)
+            hidden = adapter.finish_layer(layer, hidden, out, packed)
         for s in seqs:
             s.length += 1
-        return adapter.logits(hidden).float()
+        return adapter.logits(hidden, packed).float()
 
     def advance(self, seqs: Sequence[KVSequence]) -> list[str]:
         """One step for every (unfinished) sequence: choose and accept its next token; the text pieces to hand
