@@ -189,6 +189,9 @@ class KVDecoder:
         # per-layer facts, read once rather than every step
         self.scales = [adapter.scaling(i) for i in range(self.num_layers)]
         self.windows = [adapter.sliding_window(i) for i in range(self.num_layers)]
+        # oneDNN-packed weights for the step's one-row matmuls, built here (~0.3 s for 135M params) rather than
+        # inside a request's first step; the adapter keeps them, so later decoders reuse them
+        self.packed = adapter.packed()
 
     def sequence(self, token_ids: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  settings: SamplingOptions, text: bool = True) -> KVSequence:
@@ -205,11 +208,10 @@ class KVDecoder:
         for s in seqs:
             if s.length >= s.k.shape[2]:
                 raise RuntimeError("a sequence decoded past its preallocated KV (max_new_tokens)")
-        packed = adapter.packed()  # oneDNN-packed weights for the one-row matmuls (built on the first step)
         cos, sin = adapter.rotary(positions)
         hidden = adapter.embed(ids)
         for layer in range(self.num_layers):
-            q, k, v = adapter.project_qkv(layer, hidden, packed)
+            q, k, v = adapter.project_qkv(layer, hidden, self.packed)
             q = adapter.rope(q, cos, sin)
             k = adapter.rope(k, cos, sin)
             scale, window = self.scales[layer], self.windows[layer]
@@ -220,10 +222,10 @@ class KVDecoder:
                 s.v[layer, :, row] = v[i]
                 lo = max(0, row + 1 - window) if window else 0
                 attend(q[i], s.k[layer, :, lo:row + 1], s.v[layer, :, lo:row + 1], scale, out[i])
-            hidden = adapter.finish_layer(layer, hidden, out, packed)
+            hidden = adapter.finish_layer(layer, hidden, out, self.packed)
         for s in seqs:
             s.length += 1
-        return adapter.logits(hidden, packed).float()
+        return adapter.logits(hidden, self.packed).float()
 
     def advance(self, seqs: Sequence[KVSequence]) -> list[str]:
         """One step for every (unfinished) sequence: choose and accept its next token; the text pieces to hand
