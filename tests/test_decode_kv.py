@@ -9,7 +9,8 @@ import torch
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.decode.generate import SamplingOptions, decode
-from cacheblend_rag.decode.kv_decode import KVDecoder, StopFilter, attend, attend_sdpa, kv_decode
+from cacheblend_rag.decode.kv_decode import (GROUPED_MM_FROM_KEYS, KVDecoder, StopFilter, attend, attend_grouped_mm,
+                                             attend_sdpa, kv_decode)
 
 TEXTS = [
     "The river Lune flows through Lancaster and reaches the sea at Sunderland Point.",
@@ -106,18 +107,20 @@ def test_stop_strings_and_cancel_on_the_kv_path(tiny):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
-def test_attend_equals_sdpa_over_a_sliced_head_major_buffer(dtype, tol, heads, kv_heads):
+@pytest.mark.parametrize("n", [257, GROUPED_MM_FROM_KEYS + 50])  # attend takes SDPA, then (bf16) the matmuls
+def test_attend_equals_sdpa_over_a_sliced_head_major_buffer(dtype, tol, heads, kv_heads, n):
     gen = torch.Generator().manual_seed(0)
-    capacity, d, n, lo = 300, 64, 257, 40  # a buffer with unfilled rows, attended from a window's start
+    capacity, d, lo = n + 43, 64, 40  # a buffer with unfilled rows, attended from a window's start
     k = torch.randn(kv_heads, capacity, d, generator=gen).to(dtype)
     v = torch.randn(kv_heads, capacity, d, generator=gen).to(dtype)
     k[:, n:] = float("nan")  # rows past the filled length must never be read
     q = (3 * torch.randn(heads, d, generator=gen)).to(dtype)
     outs = []
     for start in (0, lo):  # the whole cache, then a sliding window's rows only
-        out = attend(q, k[:, start:n], v[:, start:n], 0.125, torch.empty(heads, d, dtype=dtype))
         ref = attend_sdpa(q.float(), k[:, start:n].float(), v[:, start:n].float(), 0.125)
-        assert out.dtype == dtype and torch.allclose(out.float(), ref, atol=tol, rtol=tol)
+        for fn in (attend, attend_grouped_mm):
+            out = fn(q, k[:, start:n], v[:, start:n], 0.125, torch.empty(heads, d, dtype=dtype))
+            assert out.dtype == dtype and torch.allclose(out.float(), ref, atol=tol, rtol=tol), fn.__name__
         outs.append(out)
     assert not torch.allclose(outs[0], outs[1], atol=tol)  # the window does change what is attended
 
