@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.decode.generate import SamplingOptions, decode
-from cacheblend_rag.decode.kv_decode import KVDecoder, StopFilter, kv_decode
+from cacheblend_rag.decode.kv_decode import (GROUPED_MM_FROM_KEYS, KVDecoder, StopFilter, attend, attend_grouped_mm,
+                                             attend_sdpa, kv_decode)
 
 TEXTS = [
     "The river Lune flows through Lancaster and reaches the sea at Sunderland Point.",
@@ -121,6 +123,47 @@ def test_stop_strings_and_cancel_on_the_kv_path(tiny):
     pre = kv.prefill(TEXTS, QUESTIONS[0], store_holes=False)
     assert kv_decode(kv.adapter, tokenizer, pre.token_ids, pre.keys, pre.values, SamplingOptions(8),
                      cancel=cancel).numel() == 0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("n", [257, GROUPED_MM_FROM_KEYS + 50])  # attend takes SDPA, then (bf16) the matmuls
+def test_attend_equals_sdpa_over_a_sliced_head_major_buffer(dtype, tol, heads, kv_heads, n):
+    gen = torch.Generator().manual_seed(0)
+    capacity, d, lo = n + 43, 64, 40  # a buffer with unfilled rows, attended from a window's start
+    k = torch.randn(kv_heads, capacity, d, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, capacity, d, generator=gen).to(dtype)
+    k[:, n:] = float("nan")  # rows past the filled length must never be read
+    q = (3 * torch.randn(heads, d, generator=gen)).to(dtype)
+    outs = []
+    for start in (0, lo):  # the whole cache, then a sliding window's rows only
+        ref = attend_sdpa(q.float(), k[:, start:n].float(), v[:, start:n].float(), 0.125)
+        for fn in (attend, attend_grouped_mm):
+            out = fn(q, k[:, start:n], v[:, start:n], 0.125, torch.empty(heads, d, dtype=dtype))
+            assert out.dtype == dtype and torch.allclose(out.float(), ref, atol=tol, rtol=tol), fn.__name__
+        outs.append(out)
+    assert not torch.allclose(outs[0], outs[1], atol=tol)  # the window does change what is attended
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_packed_weights_compute_what_the_hf_modules_do(tiny, dtype, tol):
+    from conftest import tiny_model
+    from cacheblend_rag.models.adapter import get_adapter
+
+    arch, model, tokenizer = tiny
+    adapter = get_adapter(tiny_model(arch, len(tokenizer)).to(dtype))  # its own copy: packing is per adapter
+    if not adapter.packed():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, model.config.hidden_size, generator=gen).to(dtype)
+    for layer in (0, adapter.num_layers - 1):
+        for ours, theirs in zip(adapter.project_qkv(layer, hidden, packed=True), adapter.project_qkv(layer, hidden)):
+            assert ours.shape == theirs.shape and torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
+        attn = torch.randn(3, adapter.num_heads, adapter.head_dim, generator=gen).to(dtype)
+        ours, theirs = adapter.finish_layer(layer, hidden, attn, packed=True), adapter.finish_layer(layer, hidden, attn)
+        assert torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
+    ours, theirs = adapter.logits(hidden, packed=True), adapter.logits(hidden)
+    assert ours.shape == (3, len(tokenizer)) and torch.allclose(ours.float(), theirs.float(), atol=tol, rtol=tol)
 
 
 def test_stop_filter_cuts_a_stop_string_across_pieces():

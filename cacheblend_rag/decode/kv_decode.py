@@ -1,7 +1,9 @@
 """Decoding over the fused KV through the model adapter, without copying or growing a cache per step.
 
-Each sequence owns one preallocated K and one V buffer, (layers, prompt + max_new_tokens, kv_heads, d), filled
-once from the prefill's per-layer keys (after RoPE) and values. A step runs the model one token per sequence:
+Each sequence owns one preallocated K and one V buffer, (layers, kv_heads, prompt + max_new_tokens, d): head-major,
+so each KV head's filled rows are one contiguous (n, d) block that a matmul reads in place (a (n, kv_heads, d)
+layout made SDPA copy the whole cache per layer per step, ~25x slower than the bytes it reads in bf16). They are
+filled once from the prefill's per-layer keys (after RoPE) and values. A step runs the model one token per sequence:
 
     embed ─▶ per layer: project_qkv ─▶ rope at each row's position ─▶ write k, v at the sequence's next slot
             ─▶ attend over the sequence's filled rows ─▶ finish_layer            ─▶ logits (B, vocab)
@@ -27,6 +29,52 @@ import torch.nn.functional as F
 from .generate import SamplingOptions
 
 logger = logging.getLogger(__name__)
+
+
+# Below this many keys a bf16 step attends through SDPA's fused CPU kernel: each bf16 matmul of the grouped path
+# costs ~20 us of fixed oneDNN overhead (6 a layer), while SDPA's flash kernel converts bf16 blocks to fp32 and
+# falls behind over longer caches (on an AVX512-BF16 EPYC: 121 vs 211 us a layer at 512 keys, 458 vs 356 at 2k,
+# 1389 vs 730 at 7k). In fp32 the two are within a few percent at every length, so fp32 always takes SDPA.
+GROUPED_MM_FROM_KEYS = 1280
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """One decode query per head, q (H, d), over head-major k, v (KVH, n, d) → out (H, d), written in place;
+    through whichever of SDPA or the grouped matmuls is faster for this dtype and length."""
+    if q.dtype == torch.float32 or k.shape[1] < GROUPED_MM_FROM_KEYS:
+        kv_heads = k.shape[0]
+        # the G query heads of a KV head are G query rows of that head: no K/V expansion, no GQA flag
+        grouped = q.view(1, kv_heads, q.shape[0] // kv_heads, q.shape[-1])
+        return out.copy_(F.scaled_dot_product_attention(grouped, k[None], v[None], scale=scale).view_as(out))
+    return attend_grouped_mm(q, k, v, scale, out)
+
+
+def attend_grouped_mm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      out: torch.Tensor) -> torch.Tensor:
+    """`attend` as per-KV-head matmuls that read the cache in place.
+
+    Grouped-query attention without expanding K/V: the G = H / KVH query heads that share a KV head are the rows
+    of one (G, d) @ (d, n) matmul over that head's contiguous rows (a batched matmul would copy the sliced
+    buffer, whose head stride is the capacity, not n). Softmax runs in fp32; probabilities go back to the cache
+    dtype for the @ V matmul, as SDPA's CPU kernel does.
+    """
+    kv_heads = k.shape[0]
+    group = q.shape[0] // kv_heads
+    qg = (q * scale).view(kv_heads, group, q.shape[-1])
+    scores = torch.empty((kv_heads, group, k.shape[1]), dtype=q.dtype, device=q.device)
+    for h in range(kv_heads):
+        torch.mm(qg[h], k[h].t(), out=scores[h])
+    probs = torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype)
+    og = out.view(kv_heads, group, v.shape[-1])
+    for h in range(kv_heads):
+        torch.mm(probs[h], v[h], out=og[h])
+    return out
+
+
+def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference for `attend`: torch's SDPA of q (H, d) over k, v (KVH, n, d), GQA expanded by SDPA → (H, d)."""
+    gqa = q.shape[0] != k.shape[0]
+    return F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], scale=scale, enable_gqa=gqa)[0, :, 0]
 
 
 class IncrementalText:
@@ -91,13 +139,13 @@ class KVSequence:
                  first_logits: torch.Tensor | None = None) -> None:
         n = int(token_ids.numel())
         capacity = n + settings.max_new_tokens
-        shape = (decoder.num_layers, capacity, decoder.num_kv_heads, decoder.head_dim)
+        shape = (decoder.num_layers, decoder.num_kv_heads, capacity, decoder.head_dim)
         self.k = torch.empty(shape, dtype=decoder.dtype, device=decoder.device)
         self.v = torch.empty(shape, dtype=decoder.dtype, device=decoder.device)
         rows = n if first_logits is not None else n - 1  # without the prefill's logits, a step recomputes row N-1
-        for layer, (k, v) in enumerate(zip(keys, values)):  # the one copy of the prompt rows
-            self.k[layer, :rows].copy_(k[:rows])
-            self.v[layer, :rows].copy_(v[:rows])
+        for layer, (k, v) in enumerate(zip(keys, values)):  # the one copy of the prompt rows, to head-major
+            self.k[layer, :, :rows].copy_(k[:rows].transpose(0, 1))
+            self.v[layer, :, :rows].copy_(v[:rows].transpose(0, 1))
         self.length = rows  # filled rows; the next token is written at this row (its position)
         self.next_token = int(token_ids[-1])
         self.settings = settings
@@ -166,7 +214,10 @@ class KVDecoder:
         # per-layer facts, read once rather than every step
         self.scales = [adapter.scaling(i) for i in range(self.num_layers)]
         self.windows = [adapter.sliding_window(i) for i in range(self.num_layers)]
-        self.gqa = self.num_heads != self.num_kv_heads
+        # oneDNN-packed weights for the step's one-row matmuls: an extra copy of the weights (~0.27 GB in bf16),
+        # built (~0.3 s) at the first step, so a process that never decodes (ingest) never holds them, and after
+        # the first token (it comes from the prefill's logits); the adapter keeps them for later decoders
+        self.packed: bool | None = None
 
     def sequence(self, token_ids: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  settings: SamplingOptions, text: bool = True,
@@ -175,45 +226,36 @@ class KVDecoder:
         prefill's `first_logits` (vocab,), its first token is already chosen (`first_piece` is its text)."""
         return KVSequence(self, token_ids, keys, values, settings, self.tokenizer if text else None, first_logits)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (1, H, d) over k, v (n, KVH, d) → (1, H, d); one query sees every key (they are all before it)."""
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], scale=scale, enable_gqa=self.gqa)
-        return out[0].transpose(0, 1)
-
     @torch.inference_mode()
     def step(self, seqs: Sequence[KVSequence]) -> torch.Tensor:
         """Advance every sequence by its next token: their KV grows by one row; returns the (B, vocab) logits."""
         adapter = self.adapter
         device = self.device
+        if self.packed is None:
+            self.packed = adapter.packed()
         ids = torch.tensor([s.next_token for s in seqs], device=device)
         positions = torch.tensor([s.length for s in seqs], device=device)
         for s in seqs:
-            if s.length >= s.k.shape[1]:
+            if s.length >= s.k.shape[2]:
                 raise RuntimeError("a sequence decoded past its preallocated KV (max_new_tokens)")
         cos, sin = adapter.rotary(positions)
         hidden = adapter.embed(ids)
-        single = len(seqs) == 1
         for layer in range(self.num_layers):
-            q, k, v = adapter.project_qkv(layer, hidden)
+            q, k, v = adapter.project_qkv(layer, hidden, self.packed)
             q = adapter.rope(q, cos, sin)
             k = adapter.rope(k, cos, sin)
             scale, window = self.scales[layer], self.windows[layer]
-            out = q if single else torch.empty_like(q)
-            for i, s in enumerate(seqs):
+            out = torch.empty_like(q)
+            for i, s in enumerate(seqs):  # per sequence: each attends over its own filled rows
                 row = s.length
-                s.k[layer, row] = k[i]
-                s.v[layer, row] = v[i]
+                s.k[layer, :, row] = k[i]
+                s.v[layer, :, row] = v[i]
                 lo = max(0, row + 1 - window) if window else 0
-                attn = self._attend(q[i:i + 1], s.k[layer, lo:row + 1], s.v[layer, lo:row + 1], scale)
-                if single:
-                    out = attn
-                else:
-                    out[i] = attn[0]
-            hidden = adapter.finish_layer(layer, hidden, out)
+                attend(q[i], s.k[layer, :, lo:row + 1], s.v[layer, :, lo:row + 1], scale, out[i])
+            hidden = adapter.finish_layer(layer, hidden, out, self.packed)
         for s in seqs:
             s.length += 1
-        return adapter.logits(hidden).float()
+        return adapter.logits(hidden, self.packed).float()
 
     def advance(self, seqs: Sequence[KVSequence]) -> list[str]:
         """One step for every (unfinished) sequence: choose and accept its next token; the text pieces to hand

@@ -8,11 +8,13 @@ adapter stays faithful to transformers' numerics and honours `rope_scaling`.
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
 from ..errors import UnsupportedModelError
 from ..kernels import apply_rope
+from .packed import PackedLayer, PackedLinear, pack_layers
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ class LlamaFamilyAdapter:
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.max_positions: int = config.max_position_embeddings
         self._layers = self.decoder.layers
+        self._packed: tuple[list[PackedLayer], PackedLinear] | None = None
+        self._packing_tried = False
+        self._packing_lock = threading.Lock()  # decode may start on a server's worker and a caller at once
         self._check_structure()
 
     def _check_structure(self) -> None:
@@ -59,14 +64,31 @@ class LlamaFamilyAdapter:
         cos, sin = self.decoder.rotary_emb(dummy, positions[None, :])
         return cos[0], sin[0]
 
-    def project_qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Input norm + projections: q (M, heads, d), k and v (M, kv_heads, d); q and k *before* RoPE."""
+    def packed(self) -> bool:
+        """Build (once) the oneDNN-packed weights the decode step's `packed=True` calls use; whether they exist.
+        They are copies: weights changed in place afterwards are not seen by the packed calls."""
+        if self._packing_tried:
+            return self._packed is not None
+        with self._packing_lock:
+            if not self._packing_tried:
+                self._packed = pack_layers(self._layers, self.model.lm_head)
+                self._packing_tried = True
+        return self._packed is not None
+
+    def project_qkv(self, layer: int, hidden: torch.Tensor,
+                    packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm + projections: q (M, heads, d), k and v (M, kv_heads, d); q and k *before* RoPE.
+        packed: one fused q|k|v matmul over the packed weights (call `packed()` first), for decode steps."""
         block = self._layers[layer]
         x = block.input_layernorm(hidden)
         attn = block.self_attn
-        q = attn.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if packed:
+            q, k, v = self._packed[0][layer].qkv.split(x)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         return q, k, v
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,15 +103,24 @@ class LlamaFamilyAdapter:
         """Sliding-window size of the layer's attention, or None for full attention."""
         return getattr(self._layers[layer].self_attn, "sliding_window", None)
 
-    def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """o_proj + residual, then post-attention norm + MLP + residual; attn_out is (M, heads, d)."""
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor,
+                     packed: bool = False) -> torch.Tensor:
+        """o_proj + residual, then post-attention norm + MLP + residual; attn_out is (M, heads, d).
+        packed: the packed o, fused gate|up and down weights, for decode steps."""
         block = self._layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        flat = attn_out.reshape(attn_out.shape[0], -1)
+        if not packed:
+            hidden = hidden + block.self_attn.o_proj(flat)
+            return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        weights = self._packed[0][layer]
+        hidden = hidden + weights.o(flat)
+        gate, up = weights.gate_up.split(block.post_attention_layernorm(hidden))
+        return hidden + weights.down(block.mlp.act_fn(gate) * up)  # LlamaMLP.forward's formula
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head: (M, hidden) → (M, vocab)."""
-        return self.model.lm_head(self.decoder.norm(hidden))
+    def logits(self, hidden: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        """Final norm + LM head: (M, hidden) → (M, vocab); packed: the packed LM head."""
+        head = self._packed[1] if packed else self.model.lm_head
+        return head(self.decoder.norm(hidden))
 
 
 class MistralAdapter(LlamaFamilyAdapter):
@@ -103,9 +134,10 @@ class MistralAdapter(LlamaFamilyAdapter):
 class Qwen3Adapter(LlamaFamilyAdapter):
     """Qwen3: like Llama, plus RMS norms on q and k per head before RoPE."""
 
-    def project_qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, layer: int, hidden: torch.Tensor,
+                    packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As Llama, then q_norm / k_norm on each head."""
-        q, k, v = super().project_qkv(layer, hidden)
+        q, k, v = super().project_qkv(layer, hidden, packed)
         attn = self._layers[layer].self_attn
         return attn.q_norm(q), attn.k_norm(k), v
 
