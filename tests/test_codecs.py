@@ -376,7 +376,7 @@ def test_hostile_but_well_formed_values_are_codec_errors(checksum):
 
 
 def test_cachegen_symbols_that_decode_differently_fail_their_crc():
-    """A rewritten range-coder payload with a valid outer crc still fails: the symbols' crc catches it."""
+    """A rewritten ANS payload with a valid outer crc still fails: the symbols' crc catches it."""
     codec, enc, shape = _payload("cachegen", {})
     from cacheblend_rag.store import codecs as C
 
