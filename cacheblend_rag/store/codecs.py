@@ -104,13 +104,37 @@ def _int_param(value: Any, name: str, lo: int, hi: int) -> int:
     return out
 
 
-def _bits_param(value: Any, name: str, lo: int = 2, hi: int = 8) -> tuple[int, ...]:
-    """'6,5,4' or (6, 5, 4) -> bits per layer group (shallow first)."""
+def _half_bits(value: Any, name: str, lo: int, hi: int) -> float:
+    """One bit width: a multiple of 0.5 in [lo, hi] (an int when whole, so '6' stays 6)."""
+    out = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        out = float(value)
+    elif isinstance(value, str):
+        try:
+            out = float(value.strip())
+        except ValueError:
+            out = None
+    if out is None or not (lo <= out <= hi and (2 * out).is_integer()):
+        raise UnknownCodecError(f"codec parameter {name} must be a multiple of 0.5 in [{lo}, {hi}], got {value!r}")
+    return int(out) if out.is_integer() else out
+
+
+def _bits_param(value: Any, name: str, lo: int = 2, hi: int = 8) -> tuple[float, ...]:
+    """'6,4.5,4' or (6, 4.5, 4) -> bits per layer group (shallow first), in steps of half a bit."""
     items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
-    bits = tuple(_int_param(b, name, lo, hi) for b in items)
+    bits = tuple(_half_bits(b, name, lo, hi) for b in items)
     if not bits:
         raise UnknownCodecError(f"codec parameter {name} needs at least one bit width, got {value!r}")
     return bits
+
+
+def levels_of(bits: float) -> int:
+    """Quantization levels each side of zero for a bit width: 2**(bits-1) - 1, rounded (4.5 bits -> 10).
+
+    Symbols are entropy-coded, so a bit width need not be whole: it sets the step (absmax / levels), and
+    half bits let a layer group sit between two whole widths (each whole bit costs ~270 B/token here).
+    """
+    return round(2 ** (bits - 1)) - 1
 
 
 def _axis_param(value: Any, name: str) -> str:
@@ -366,7 +390,7 @@ class CacheGenCodec:
     2. Grouped by layer: every layer is encoded and decoded on its own.
     3. Quantized with `key_bits` / `value_bits[g]` bits in layer group g (layer groups are equal
        depth bands, shallow first, so shallow layers get more bits): q = round(delta / step) with
-       step = absmax / (2**(bits-1) - 1) per channel (`*_axis="channel"`, over the chunk's tokens)
+       step = absmax / levels_of(bits) (2**(bits-1) - 1; bits may be half-integers) per channel (`*_axis="channel"`, over the chunk's tokens)
        or per token and head (`"token"`), stored in fp16 rounded up; |error| <= step / 2.
     4. Entropy-coded: the symbols of each (layer, K|V, KV head) share one categorical model whose
        symbol counts are stored in the payload (uint16), and all streams of a layer go through one
@@ -410,7 +434,7 @@ class CacheGenCodec:
             "checksum": str(int(self.checksum)),
         }
 
-    def bits_for(self, layer: int, num_layers: int) -> tuple[int, int]:
+    def bits_for(self, layer: int, num_layers: int) -> tuple[float, float]:
         """(key bits, value bits) of a layer."""
         return (self.key_bits[_layer_group(layer, num_layers, len(self.key_bits))],
                 self.value_bits[_layer_group(layer, num_layers, len(self.value_bits))])
@@ -426,10 +450,10 @@ class CacheGenCodec:
     def _model(self, counts: np.ndarray):
         return self._cs.stream.model.Categorical(counts.astype(np.float32), perfect=False)
 
-    def _quantize(self, x: torch.Tensor, bits: int, axis: str, gidx: torch.Tensor,
+    def _quantize(self, x: torch.Tensor, bits: float, axis: str, gidx: torch.Tensor,
                   counts_per_group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(anchors, steps, int8 symbols) of one float32 (num_tokens, heads, dim) tensor: steps 1-3 of the scheme."""
-        levels = (1 << (bits - 1)) - 1
+        levels = levels_of(bits)
         mean = torch.zeros((self._num_groups(x.shape[0]),) + x.shape[1:]).index_add_(0, gidx, x) / counts_per_group
         anchor = mean.to(torch.float16) if bool(torch.isfinite(mean.to(torch.float16)).all()) else mean
         delta = x - anchor.float()[gidx]
@@ -471,14 +495,15 @@ class CacheGenCodec:
         gidx = self._group_index(num_tokens)
         counts_per_group = torch.bincount(gidx).to(torch.float32).view(-1, 1, 1)
         out: LayerTensors = {"meta": torch.tensor(
-            [num_tokens, num_kv_heads, k.shape[2], v.shape[2], self.group_size, kbits, vbits, 0], dtype=torch.int32)}
+            [num_tokens, num_kv_heads, k.shape[2], v.shape[2], self.group_size, levels_of(kbits), levels_of(vbits), 0],
+            dtype=torch.int32)}
         tables: list[np.ndarray] = []
         streams: list[tuple[np.ndarray, np.ndarray]] = []  # (symbols shifted to >= 0, counts)
         sym_crc = 0
         encoder = self._cs.stream.stack.AnsCoder()
         for name, x, bits, axis in (("k", k, kbits, self.key_axis), ("v", v, vbits, self.value_axis)):
             _require_finite(x, "keys" if name == "k" else "values", self.name)
-            levels = (1 << (bits - 1)) - 1
+            levels = levels_of(bits)
             anchor, step, q = self._quantize(x, bits, axis, gidx, counts_per_group)
             sym_crc = zlib.crc32(_bytes_of(q), sym_crc)
             out[f"{name}_anchor"], out[f"{name}_step"] = anchor.contiguous(), step
@@ -510,15 +535,16 @@ class CacheGenCodec:
         kbits, vbits = self.bits_for(layer, num_layers)
         payload = _get(tensors, "payload", (torch.uint8,), None)
         meta = _get(tensors, "meta", (torch.int32,), (8,)).tolist()
-        want = [num_tokens, num_kv_heads, head_dim, v_head_dim, self.group_size, kbits, vbits, payload.numel() // 4]
+        want = [num_tokens, num_kv_heads, head_dim, v_head_dim, self.group_size, levels_of(kbits), levels_of(vbits),
+                payload.numel() // 4]
         if meta != want or payload.numel() % 4:
             raise CodecError(f"layer payload was encoded for (tokens, heads, head_dim, v_head_dim, group_size, "
-                             f"key_bits, value_bits, words) = {meta}; the header and payload say {want} "
+                             f"key levels, value levels, words) = {meta}; the header and payload say {want} "
                              f"({payload.numel()} payload bytes)")
         num_groups = self._num_groups(num_tokens)
         gidx = self._group_index(num_tokens)
         specs = (("k", head_dim, kbits, self.key_axis), ("v", v_head_dim, vbits, self.value_axis))
-        table_len = sum(num_kv_heads * (2 * ((1 << (b - 1)) - 1) + 1) for _, _, b, _ in specs)
+        table_len = sum(num_kv_heads * (2 * levels_of(b) + 1) for _, _, b, _ in specs)
         tables = _get(tensors, "tables", (torch.uint16,), (table_len,)).numpy()
         words = payload.numpy().view("<u4").astype(np.uint32)
         try:
@@ -527,7 +553,7 @@ class CacheGenCodec:
             raise CodecError(f"the layer's ANS payload is invalid: {e}") from e
         sym_crc, pos, out = 0, 0, []
         for name, dim, bits, axis in specs:
-            levels = (1 << (bits - 1)) - 1
+            levels = levels_of(bits)
             anchor = _get(tensors, f"{name}_anchor", (torch.float16, torch.float32), (num_groups, num_kv_heads, dim))
             if not bool(torch.isfinite(anchor).all()):
                 raise CodecError(f"tensor {name}_anchor holds inf/nan")
