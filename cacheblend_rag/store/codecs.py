@@ -507,8 +507,10 @@ class CacheGenCodec:
             anchor, step, q = self._quantize(x, bits, axis, gidx, counts_per_group)
             sym_crc = zlib.crc32(_bytes_of(q), sym_crc)
             out[f"{name}_anchor"], out[f"{name}_step"] = anchor.contiguous(), step
+            # one head-major int32 copy of every head's symbols (shifted to >= 0), not a strided copy per head
+            shifted = q.transpose(0, 1).reshape(num_kv_heads, -1).numpy().astype(np.int32) + levels
             for h in range(num_kv_heads):
-                sym = (q[:, h].reshape(-1).numpy().astype(np.int32) + levels)
+                sym = shifted[h]
                 counts = np.bincount(sym, minlength=2 * levels + 1)
                 if counts.max() > 0xFFFF:  # keep every seen symbol >= 1 after scaling to uint16
                     counts = np.where(counts > 0, np.maximum(1, counts * 0xFFFF // counts.max()), 0)
