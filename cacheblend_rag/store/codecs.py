@@ -410,7 +410,7 @@ class CacheGenCodec:
         self,
         *,
         # keys get the bits: their error moved the first-token KL 5-10x more than the values' at equal bits
-        # (docs/benchmarks.md "KV codecs"); 5.5/4.5/4.5 + 3.5/3/3 is 5.1x smaller than fp16, as the old 6/4/4 + 4/3/3
+        # (issue 16 sweep, docs/benchmarks.md "KV codecs"); 5.1x smaller than fp16, as the old 6/4/4 + 4/3/3
         key_bits: Any = (5.5, 4.5, 4.5),
         value_bits: Any = (3.5, 3, 3),
         group_size: Any = 0,
@@ -466,7 +466,7 @@ class CacheGenCodec:
 
     @staticmethod
     def _dequantize(q: torch.Tensor, step: torch.Tensor, anchor: torch.Tensor, gidx: torch.Tensor) -> torch.Tensor:
-        """q * step + anchor of each token's group, in float32 (in place on one buffer: decode is memory-bound)."""
+        """q * step + anchor of each token's group, in float32 (in place: one temporary tensor fewer per layer)."""
         x = q.to(torch.float32).mul_(step)
         # one anchor group (the default) broadcasts; indexing would copy a (tokens, heads, dim) tensor
         return x.add_(anchor.float() if anchor.shape[0] == 1 else anchor.float()[gidx])
