@@ -45,7 +45,7 @@ def _max_step_bound(codec_name: str, kv: ChunkKV) -> float:
             amax = float(x.float().abs().max())
             # a delta from an anchor is at most twice the absmax; steps are rounded up to fp16 (+2**-10), anchors
             # stored in fp16 (+2**-11 of their size)
-            bound = max(bound, 2 * amax / ((1 << (bits - 1)) - 1) / 2 * (1 + 2.0**-9) + amax * 2.0**-10)
+            bound = max(bound, 2 * amax / (round(2 ** (bits - 1)) - 1) / 2 * (1 + 2.0**-9) + amax * 2.0**-10)
     return bound
 
 

@@ -29,7 +29,8 @@ ROUND = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-
 TINY = {torch.float32: 2.0**-150, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}
 SETTINGS = [("fp16", {}), ("bf16", {}), ("fp32", {}), ("int8", {}),
             ("int8", {"key_axis": "channel", "value_axis": "channel"}), ("cachegen", {}),
-            ("cachegen", {"key_bits": "8,2", "value_bits": "3", "group_size": 10, "value_axis": "token"})]
+            ("cachegen", {"key_bits": "8,2", "value_bits": "3", "group_size": 10, "value_axis": "token"}),
+            ("cachegen", {"key_bits": "5.5,3.5", "value_bits": "2.5,4.5"})]
 IDS = [f"{n}-{i}" for i, (n, _) in enumerate(SETTINGS)]
 # bf16 and fp32 run the fp16 codec's code (RawCodec) on other dtypes: the costly real-KV tests leave them out
 QUANT = [(s, i) for s, i in zip(SETTINGS, IDS) if s[0] not in ("bf16", "fp32")]
@@ -74,7 +75,7 @@ def _bound(codec, enc: dict, name: str, x: torch.Tensor, layer: int, num_layers:
         levels, centred = 127, x
     else:
         bits = codec.bits_for(layer, num_layers)[0 if name == "k" else 1]
-        levels = 2 ** (bits - 1) - 1
+        levels = round(2 ** (bits - 1)) - 1  # half bits (4.5) round to whole levels (10)
         g = codec.group_size or x.shape[0]
         anchor = enc[f"{name}_anchor"].float()
         groups = torch.arange(x.shape[0]) // g
@@ -251,6 +252,7 @@ def test_unknown_codec_name_is_a_clear_error():
     ("int8", {"key_axis": "row"}), ("int8", {"levels": "4"}), ("cachegen", {"key_bits": "9"}),
     ("cachegen", {"key_bits": "1"}), ("cachegen", {"value_bits": ""}), ("cachegen", {"group_size": "-1"}),
     ("cachegen", {"group_size": "ten"}), ("fp16", {"checksum": "maybe"}), ("cachegen", {"key_bits": True}),
+    ("cachegen", {"key_bits": "4.3"}),
 ])
 def test_invalid_codec_parameters_are_clear_errors(name, params):
     with pytest.raises(UnknownCodecError, match=name if "levels" in params else next(iter(params))):
@@ -376,7 +378,7 @@ def test_hostile_but_well_formed_values_are_codec_errors(checksum):
 
 
 def test_cachegen_symbols_that_decode_differently_fail_their_crc():
-    """A rewritten range-coder payload with a valid outer crc still fails: the symbols' crc catches it."""
+    """A rewritten ANS payload with a valid outer crc still fails: the symbols' crc catches it."""
     codec, enc, shape = _payload("cachegen", {})
     from cacheblend_rag.store import codecs as C
 
@@ -412,3 +414,21 @@ def test_int8_steps_are_per_token_by_default_and_per_channel_on_request():
     assert enc["k_step"].shape == (5, 2, 1) and enc["v_step"].shape == (5, 2, 1)
     enc = Int8Codec(key_axis="channel").encode_layer(k, k, 0, 1)
     assert enc["k_step"].shape == (1, 2, 4) and enc["v_step"].shape == (5, 2, 1)
+
+
+def test_cachegen_half_bits_set_the_levels_between_the_whole_widths():
+    """4.5 bits: 10 levels each side (21 symbols), between 4 bits' 7 and 5 bits' 15; the params round-trip."""
+    codec = CacheGenCodec(key_bits="6,4.5", value_bits="3.5")
+    assert codec.params()["key_bits"] == "6,4.5" and codec.params()["value_bits"] == "3.5"
+    assert get_codec("cachegen", **codec.params()).bits_for(1, 2) == (4.5, 3.5)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(200, 2, 16, generator=g)
+    enc = codec.encode_layer(x, x, 1, 2)
+    assert enc["meta"][5:7].tolist() == [10, 5]  # levels: round(2**3.5) - 1, round(2**2.5) - 1
+    dk, dv = codec.decode_layer(enc, **_shape(x, x, 1, 2))
+    for name, d in (("k", dk), ("v", dv)):
+        assert bool(((d - x).abs() <= enc[f"{name}_step"].float() / 2 + 1e-6).all())
+    # finer than the whole width below it, coarser than the one above
+    errs = [float((CacheGenCodec(key_bits=b).reconstruct_layer(x, x, 0, 1, torch.float32)[0] - x).abs().mean())
+            for b in (4, 4.5, 5)]
+    assert errs[0] > errs[1] > errs[2]

@@ -243,10 +243,11 @@ def test_a_payload_the_codec_rejects_is_a_miss_even_with_matching_store_checksum
 @pytest.mark.parametrize("edit", [
     {"codec": "zstd"},
     {"codec_version": "99"},
+    {"codec_version": "1"},  # cachegen v1 (range coder) entries: a miss since v2's ANS payload
     {"codec_params": "{not json"},
     {"codec_params": json.dumps({"key_bits": "1"})},
     {"format_version": "3"},
-], ids=["name", "version", "params-json", "params-invalid", "format"])
+], ids=["name", "version", "version-1", "params-json", "params-invalid", "format"])
 def test_an_unknown_codec_in_a_header_is_a_miss_never_a_crash(tmp_path, edit):
     store = DiskStore(tmp_path, codec="cachegen")
     store.put(KEY, make_kv())

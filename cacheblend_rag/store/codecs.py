@@ -14,7 +14,7 @@ Codecs (bytes per token for SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64):
 
     fp16 / bf16 / fp32   raw tensors                                   23,040 B (fp16)
     int8                 absmax int8, per-token steps (fp16)            11,880 B  (1.94x)
-    cachegen             CacheGen: anchors, layer-grouped bits, range    4,496 B  (5.1x; 600-token chunks,
+    cachegen             CacheGen: anchors, layer-grouped bits, ANS      4,502 B  (5.1x; 600-token chunks,
                          coding (see CacheGenCodec)                              ~2 kB fixed per layer)
 
 `python -m cacheblend_rag.store.codecs` measures them on real KV (bytes/token, error per layer
@@ -104,13 +104,37 @@ def _int_param(value: Any, name: str, lo: int, hi: int) -> int:
     return out
 
 
-def _bits_param(value: Any, name: str, lo: int = 2, hi: int = 8) -> tuple[int, ...]:
-    """'6,5,4' or (6, 5, 4) -> bits per layer group (shallow first)."""
+def _half_bits(value: Any, name: str, lo: int, hi: int) -> float:
+    """One bit width: a multiple of 0.5 in [lo, hi] (an int when whole, so '6' stays 6)."""
+    out = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        out = float(value)
+    elif isinstance(value, str):
+        try:
+            out = float(value.strip())
+        except ValueError:
+            out = None
+    if out is None or not (lo <= out <= hi and (2 * out).is_integer()):
+        raise UnknownCodecError(f"codec parameter {name} must be a multiple of 0.5 in [{lo}, {hi}], got {value!r}")
+    return int(out) if out.is_integer() else out
+
+
+def _bits_param(value: Any, name: str, lo: int = 2, hi: int = 8) -> tuple[float, ...]:
+    """'6,4.5,4' or (6, 4.5, 4) -> bits per layer group (shallow first), in steps of half a bit."""
     items = value.split(",") if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else [value]
-    bits = tuple(_int_param(b, name, lo, hi) for b in items)
+    bits = tuple(_half_bits(b, name, lo, hi) for b in items)
     if not bits:
         raise UnknownCodecError(f"codec parameter {name} needs at least one bit width, got {value!r}")
     return bits
+
+
+def levels_of(bits: float) -> int:
+    """Quantization levels each side of zero for a bit width: 2**(bits-1) - 1, rounded (4.5 bits -> 10).
+
+    Symbols are entropy-coded, so a bit width need not be whole: it sets the step (absmax / levels), and
+    half bits let a layer group sit between two whole widths (each whole bit costs ~270 B/token here).
+    """
+    return round(2 ** (bits - 1)) - 1
 
 
 def _axis_param(value: Any, name: str) -> str:
@@ -366,25 +390,29 @@ class CacheGenCodec:
     2. Grouped by layer: every layer is encoded and decoded on its own.
     3. Quantized with `key_bits` / `value_bits[g]` bits in layer group g (layer groups are equal
        depth bands, shallow first, so shallow layers get more bits): q = round(delta / step) with
-       step = absmax / (2**(bits-1) - 1) per channel (`*_axis="channel"`, over the chunk's tokens)
-       or per token and head (`"token"`), stored in fp16 rounded up; |error| <= step / 2.
+       step = absmax / levels_of(bits) (2**(bits-1) - 1; bits may be half-integers) per channel
+       (`*_axis="channel"`, over the chunk's tokens) or per token and head (`"token"`), stored in fp16
+       rounded up; |error| <= step / 2.
     4. Entropy-coded: the symbols of each (layer, K|V, KV head) share one categorical model whose
        symbol counts are stored in the payload (uint16), and all streams of a layer go through one
-       `constriction` range coder.
+       `constriction` ANS coder (version 2; version 1 used its range coder, which decodes ~20 % slower
+       for the same bytes: version-1 entries are a miss and get recomputed).
 
     Stored per layer: `meta` (int32 shape, settings and payload words), `k_anchor`/`v_anchor`, `k_step`/`v_step`,
-    `tables` (uint16 counts), `payload` (uint8 range-coder words) and `crc` (int64 crc32 of the other
+    `tables` (uint16 counts), `payload` (uint8 ANS words) and `crc` (int64 crc32 of the other
     tensors, then of the decoded symbols).
     """
 
     name = "cachegen"
-    version = "1"
+    version = "2"
 
     def __init__(
         self,
         *,
-        key_bits: Any = (6, 4, 4),
-        value_bits: Any = (4, 3, 3),
+        # keys get the bits: their error moved the first-token KL 5-10x more than the values' at equal bits
+        # (issue 16 sweep, docs/benchmarks.md "KV codecs"); 5.1x smaller than fp16, as the old 6/4/4 + 4/3/3
+        key_bits: Any = (5.5, 4.5, 4.5),
+        value_bits: Any = (3.5, 3, 3),
         group_size: Any = 0,
         key_axis: str = "channel",
         value_axis: str = "channel",
@@ -409,7 +437,7 @@ class CacheGenCodec:
             "checksum": str(int(self.checksum)),
         }
 
-    def bits_for(self, layer: int, num_layers: int) -> tuple[int, int]:
+    def bits_for(self, layer: int, num_layers: int) -> tuple[float, float]:
         """(key bits, value bits) of a layer."""
         return (self.key_bits[_layer_group(layer, num_layers, len(self.key_bits))],
                 self.value_bits[_layer_group(layer, num_layers, len(self.value_bits))])
@@ -425,16 +453,23 @@ class CacheGenCodec:
     def _model(self, counts: np.ndarray):
         return self._cs.stream.model.Categorical(counts.astype(np.float32), perfect=False)
 
-    def _quantize(self, x: torch.Tensor, bits: int, axis: str, gidx: torch.Tensor,
+    def _quantize(self, x: torch.Tensor, bits: float, axis: str, gidx: torch.Tensor,
                   counts_per_group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(anchors, steps, int8 symbols) of one float32 (num_tokens, heads, dim) tensor: steps 1-3 of the scheme."""
-        levels = (1 << (bits - 1)) - 1
+        levels = levels_of(bits)
         mean = torch.zeros((self._num_groups(x.shape[0]),) + x.shape[1:]).index_add_(0, gidx, x) / counts_per_group
         anchor = mean.to(torch.float16) if bool(torch.isfinite(mean.to(torch.float16)).all()) else mean
         delta = x - anchor.float()[gidx]
         step = _scales(_absmax(delta, axis), levels)
         q = torch.round(delta / step.float()).clamp_(-levels, levels).to(torch.int8)
         return anchor.contiguous(), step, q
+
+    @staticmethod
+    def _dequantize(q: torch.Tensor, step: torch.Tensor, anchor: torch.Tensor, gidx: torch.Tensor) -> torch.Tensor:
+        """q * step + anchor of each token's group, in float32 (in place: one temporary tensor fewer per layer)."""
+        x = q.to(torch.float32).mul_(step)
+        # one anchor group (the default) broadcasts; indexing would copy a (tokens, heads, dim) tensor
+        return x.add_(anchor.float() if anchor.shape[0] == 1 else anchor.float()[gidx])
 
     def reconstruct_layer(self, keys: torch.Tensor, values: torch.Tensor, layer: int, num_layers: int,
                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,11 +485,11 @@ class CacheGenCodec:
         for name, x, bits, axis in (("k", k, kbits, self.key_axis), ("v", v, vbits, self.value_axis)):
             _require_finite(x, "keys" if name == "k" else "values", self.name)
             anchor, step, q = self._quantize(x, bits, axis, gidx, counts_per_group)
-            out.append((q.to(torch.float32) * step.float() + anchor.float()[gidx]).to(dtype))
+            out.append(self._dequantize(q, step.float(), anchor, gidx).to(dtype))
         return out[0], out[1]
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, layer: int, num_layers: int) -> LayerTensors:
-        """Anchors, steps, symbol tables and the range-coded symbols of one layer."""
+        """Anchors, steps, symbol tables and the ANS-coded symbols of one layer."""
         if not 0 <= layer < num_layers:
             raise ConfigError(f"layer {layer} is outside [0, {num_layers})")
         k, v = _check_input(keys, values)
@@ -463,27 +498,30 @@ class CacheGenCodec:
         gidx = self._group_index(num_tokens)
         counts_per_group = torch.bincount(gidx).to(torch.float32).view(-1, 1, 1)
         out: LayerTensors = {"meta": torch.tensor(
-            [num_tokens, num_kv_heads, k.shape[2], v.shape[2], self.group_size, kbits, vbits, 0], dtype=torch.int32)}
+            [num_tokens, num_kv_heads, k.shape[2], v.shape[2], self.group_size, levels_of(kbits), levels_of(vbits), 0],
+            dtype=torch.int32)}
         tables: list[np.ndarray] = []
         streams: list[tuple[np.ndarray, np.ndarray]] = []  # (symbols shifted to >= 0, counts)
         sym_crc = 0
-        encoder = self._cs.stream.queue.RangeEncoder()
+        encoder = self._cs.stream.stack.AnsCoder()
         for name, x, bits, axis in (("k", k, kbits, self.key_axis), ("v", v, vbits, self.value_axis)):
             _require_finite(x, "keys" if name == "k" else "values", self.name)
-            levels = (1 << (bits - 1)) - 1
+            levels = levels_of(bits)
             anchor, step, q = self._quantize(x, bits, axis, gidx, counts_per_group)
             sym_crc = zlib.crc32(_bytes_of(q), sym_crc)
             out[f"{name}_anchor"], out[f"{name}_step"] = anchor.contiguous(), step
+            # one head-major int32 copy of every head's symbols (shifted to >= 0), not a strided copy per head
+            shifted = q.transpose(0, 1).reshape(num_kv_heads, -1).numpy().astype(np.int32) + levels
             for h in range(num_kv_heads):
-                sym = (q[:, h].reshape(-1).numpy().astype(np.int32) + levels)
+                sym = shifted[h]
                 counts = np.bincount(sym, minlength=2 * levels + 1)
                 if counts.max() > 0xFFFF:  # keep every seen symbol >= 1 after scaling to uint16
                     counts = np.where(counts > 0, np.maximum(1, counts * 0xFFFF // counts.max()), 0)
                 counts = counts.astype(np.uint16)
                 tables.append(counts)
                 streams.append((sym, counts))
-        for sym, counts in streams:
-            encoder.encode(sym, self._model(counts))
+        for sym, counts in reversed(streams):  # ANS is a stack: encode backwards so the decoder reads forwards
+            encoder.encode_reverse(sym, self._model(counts))
         words = encoder.get_compressed().astype("<u4")
         out["meta"][7] = len(words)
         out["tables"] = torch.from_numpy(np.concatenate(tables))
@@ -494,7 +532,7 @@ class CacheGenCodec:
 
     def decode_layer(self, tensors: LayerTensors, *, num_tokens: int, num_kv_heads: int, head_dim: int,
                      v_head_dim: int, layer: int, num_layers: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Range-decode the symbols, dequantize and add the anchors; (keys, values) in `dtype`."""
+        """ANS-decode the symbols, dequantize and add the anchors; (keys, values) in `dtype`."""
         _check_decode_args(num_tokens, num_kv_heads, head_dim, v_head_dim, layer, num_layers, dtype)
         _verify(tensors, self.checksum, {"meta", "k_anchor", "v_anchor", "k_step", "v_step", "tables", "payload"},
                 crc_len=2)
@@ -502,40 +540,48 @@ class CacheGenCodec:
         kbits, vbits = self.bits_for(layer, num_layers)
         payload = _get(tensors, "payload", (torch.uint8,), None)
         meta = _get(tensors, "meta", (torch.int32,), (8,)).tolist()
-        want = [num_tokens, num_kv_heads, head_dim, v_head_dim, self.group_size, kbits, vbits, payload.numel() // 4]
+        want = [num_tokens, num_kv_heads, head_dim, v_head_dim, self.group_size, levels_of(kbits), levels_of(vbits),
+                payload.numel() // 4]
         if meta != want or payload.numel() % 4:
             raise CodecError(f"layer payload was encoded for (tokens, heads, head_dim, v_head_dim, group_size, "
-                             f"key_bits, value_bits, words) = {meta}; the header and payload say {want} "
+                             f"key levels, value levels, words) = {meta}; the header and payload say {want} "
                              f"({payload.numel()} payload bytes)")
         num_groups = self._num_groups(num_tokens)
         gidx = self._group_index(num_tokens)
         specs = (("k", head_dim, kbits, self.key_axis), ("v", v_head_dim, vbits, self.value_axis))
-        table_len = sum(num_kv_heads * (2 * ((1 << (b - 1)) - 1) + 1) for _, _, b, _ in specs)
+        table_len = sum(num_kv_heads * (2 * levels_of(b) + 1) for _, _, b, _ in specs)
         tables = _get(tensors, "tables", (torch.uint16,), (table_len,)).numpy()
         words = payload.numpy().view("<u4").astype(np.uint32)
-        decoder = self._cs.stream.queue.RangeDecoder(words)
+        try:
+            decoder = self._cs.stream.stack.AnsCoder(words)
+        except Exception as e:  # constriction rejects e.g. a stream ending in a zero word
+            raise CodecError(f"the layer's ANS payload is invalid: {e}") from e
         sym_crc, pos, out = 0, 0, []
         for name, dim, bits, axis in specs:
-            levels = (1 << (bits - 1)) - 1
+            levels = levels_of(bits)
             anchor = _get(tensors, f"{name}_anchor", (torch.float16, torch.float32), (num_groups, num_kv_heads, dim))
             if not bool(torch.isfinite(anchor).all()):
                 raise CodecError(f"tensor {name}_anchor holds inf/nan")
             step = _check_steps(_get(tensors, f"{name}_step", (torch.float16, torch.float32),
                                      _step_shape(axis, num_tokens, num_kv_heads, dim)), f"{name}_step")
-            q = np.empty((num_kv_heads, num_tokens * dim), dtype=np.int32)
+            # symbols land in uint8 (alphabets are at most 255 wide); subtracting `levels` wraps modulo 256,
+            # so the bytes read as int8 are the signed symbols without another int32 pass
+            sym = np.empty((num_kv_heads, num_tokens * dim), dtype=np.uint8)
             for h in range(num_kv_heads):
                 counts = tables[pos:pos + 2 * levels + 1]
                 pos += 2 * levels + 1
                 if not counts.any():
                     raise CodecError(f"symbol table of {name} head {h} is empty")
                 try:
-                    q[h] = decoder.decode(self._model(counts), num_tokens * dim)
+                    sym[h] = decoder.decode(self._model(counts), num_tokens * dim)
                 except Exception as e:  # constriction raises on exhausted or invalid streams
-                    raise CodecError(f"range decoding {name} head {h} failed: {e}") from e
-            sym = torch.from_numpy(q.reshape(num_kv_heads, num_tokens, dim) - levels).to(torch.int8).transpose(0, 1)
-            sym = sym.contiguous()
-            sym_crc = zlib.crc32(_bytes_of(sym), sym_crc)
-            out.append((sym.to(torch.float32) * step + anchor.float()[gidx]).to(dtype))
+                    raise CodecError(f"entropy decoding {name} head {h} failed: {e}") from e
+            sym -= np.uint8(levels)
+            q = torch.from_numpy(sym.view(np.int8)).view(num_kv_heads, num_tokens, dim).transpose(0, 1).contiguous()
+            sym_crc = zlib.crc32(_bytes_of(q), sym_crc)
+            out.append(self._dequantize(q, step, anchor, gidx).to(dtype))
+        if not decoder.is_empty():  # every word is consumed by exactly the symbols it was encoded from
+            raise CodecError("the layer's ANS payload holds more data than its symbols: it is corrupt")
         if crc is not None and int(crc[1]) != sym_crc:
             raise CodecError("decoded symbols fail their crc32: the payload is corrupt or was coded by an "
                              "incompatible constriction version")
