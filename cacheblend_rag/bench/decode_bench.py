@@ -94,6 +94,10 @@ def run(engine: CacheBlendEngine, items: list[dict], *, lengths=DEFAULT_LENGTHS,
         engine.ingest(chosen, show_progress=False)
         pre = engine.prefill(chosen, QUESTION, store_holes=False)
         n = int(pre.token_ids.numel())
+        if first is None:  # untimed: the first call of each path builds what later calls reuse (packed weights)
+            warm = SamplingOptions(max_new_tokens=2)
+            kv_decode(engine.adapter, tokenizer, pre.token_ids, pre.keys, pre.values, warm)
+            decode(engine.model, tokenizer, pre.token_ids, pre.keys, pre.values, warm)
         kv_s, ours = _timed(lambda: kv_decode(engine.adapter, tokenizer, pre.token_ids, pre.keys, pre.values,
                                               sampling), repeats)
         hf_s, reference = _timed(lambda: decode(engine.model, tokenizer, pre.token_ids, pre.keys, pre.values,
