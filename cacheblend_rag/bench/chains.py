@@ -321,6 +321,8 @@ class ChainRunner:
             "llm_calls": len(requests) or None,
             # the engine's TTFT in the streamed run (the one `ttft_s` timed), else in the invoke
             "engine_ttft_s": sum(r.get("ttft_s", 0.0) for r in (streamed.requests or requests)) or None,
+            "chunk_hits": sum(len(r.get("chunk_hits", ())) for r in requests) if requests else None,
+            "chunk_misses": sum(len(r.get("chunk_misses", ())) for r in requests) if requests else None,
         }
         if spec.method == "hf_pipeline":
             text, ids = engine_prompt_text(self.engine, passages, question)
