@@ -190,6 +190,23 @@ def test_throttled_reader_returns_the_inner_layers_no_faster_than_the_link():
         assert torch.equal(k, inner.get(KEY).keys[i]) and torch.equal(v, inner.get(KEY).values[i])
 
 
+def test_readers_open_at_once_share_the_link():
+    inner = MemoryStore(None)
+    keys = [KVKey(KEY.namespace, f"chunk{i}") for i in range(3)]
+    for i, key in enumerate(keys):
+        inner.put(key, make_kv(tokens=64, seed=i))
+    bandwidth = 4 * MBIT
+    store = ThrottledStore(inner, bandwidth)
+    started = time.perf_counter()
+    readers = [store.reader(key) for key in keys]
+    for layer in range(4):  # as the layer loop reads: layer l of every chunk, then l + 1
+        for reader in readers:
+            reader.layer(layer)
+    elapsed = time.perf_counter() - started
+    total = sum(r.bytes_read for r in readers)
+    assert elapsed >= total / bandwidth  # all three entries crossed one link, not one link each
+
+
 def test_throttled_get_misses_and_passes_writes_through():
     inner = MemoryStore(None)
     store = ThrottledStore(inner, 1e9, name="slow")

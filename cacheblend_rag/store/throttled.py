@@ -1,15 +1,16 @@
 """A simulated slow (remote) tier: any store whose reads are paced to a bandwidth, plus a fixed latency per fetch.
 
 `ThrottledStore(DiskStore(root, codec="cachegen"), bytes_per_s=125e6)` behaves like a 1 Gbit/s remote store of
-cachegen entries: a reader sleeps until the stored bytes it has returned could have crossed the link
-(`bytes_read / bytes_per_s` after the fetch's latency), so per-layer loading streams like a network transfer and
-the fused loop can overlap it with compute. It is a benchmark and test tool for "where does each codec, and
+cachegen entries: a reader sleeps until the stored bytes it has returned could have crossed the link, which
+every reader of the store shares (transfers queue on one `Link`, after each fetch's latency), so per-layer
+loading streams like a network transfer and the fused loop can overlap it with compute. It is a benchmark and test tool for "where does each codec, and
 where does recompute, win" (docs/benchmarks.md, "KV codecs"); the bytes paced are the inner store's stored bytes,
 i.e. compressed bytes for a coded store.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -22,21 +23,35 @@ GBIT = 1e9 / 8  # bytes per second of 1 Gbit/s
 MBIT = 1e6 / 8
 
 
-def _pace(started: float, num_bytes: int, bytes_per_s: float) -> None:
-    """Sleep until `num_bytes` could have arrived over a `bytes_per_s` link opened at `started`."""
-    due = started + num_bytes / bytes_per_s
-    delay = due - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
+class Link:
+    """One link shared by every fetch of a store: bytes cross it one transfer after another, so two readers open at
+    once share its bandwidth instead of each getting all of it."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._free_at = 0.0  # when the link finishes what it was asked to carry so far
+        self._lock = threading.Lock()
+
+    def carry(self, num_bytes: int, not_before: float = 0.0) -> None:
+        """Sleep until `num_bytes` more have crossed, queued behind every transfer asked for earlier."""
+        if num_bytes <= 0:
+            return
+        with self._lock:
+            self._free_at = max(self._free_at, not_before, time.perf_counter()) + num_bytes / self.bytes_per_s
+            due = self._free_at
+        delay = due - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
 
 
 class ThrottledReader:
     """A reader whose layers arrive no faster than the link allows (bytes counted from the inner reader)."""
 
-    def __init__(self, reader: LayerReader, bytes_per_s: float, tier: str, started: float) -> None:
+    def __init__(self, reader: LayerReader, link: Link, tier: str, started: float) -> None:
         self._reader = reader
-        self._bytes_per_s = bytes_per_s
+        self._link = link
         self._started = started
+        self._carried = 0  # stored bytes already paced over the link
         self.key, self.tier, self.token_ids = reader.key, tier, reader.token_ids
         self.num_layers, self.layer_nbytes = reader.num_layers, reader.layer_nbytes
 
@@ -57,8 +72,13 @@ class ThrottledReader:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer, returned once its stored bytes could have arrived."""
         out = self._reader.layer(layer)
-        _pace(self._started, self._reader.bytes_read, self._bytes_per_s)
+        self._carry()
         return out
+
+    def _carry(self) -> None:
+        read = self._reader.bytes_read
+        self._link.carry(read - self._carried, not_before=self._started)
+        self._carried = read
 
     def complete(self) -> ChunkKV | None:
         """The whole entry (for promotion into faster tiers), paced like the layers."""
@@ -68,7 +88,7 @@ class ThrottledReader:
         else:  # a resident reader: its layers are the entry
             layers = [self._reader.layer(i) for i in range(self.num_layers)]
             kv = ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids)
-        _pace(self._started, self._reader.bytes_read, self._bytes_per_s)
+        self._carry()
         return kv
 
     def close(self) -> None:
@@ -90,6 +110,7 @@ class ThrottledStore:
             raise ConfigError(f"latency_s must be >= 0 seconds, got {latency_s!r}")
         self.inner = inner
         self.bytes_per_s = float(bytes_per_s)
+        self.link = Link(self.bytes_per_s)
         self.latency_s = float(latency_s)
         self.name = name
 
@@ -104,14 +125,14 @@ class ThrottledStore:
         started = self._open()
         kv = self.inner.get(key)
         if kv is not None:
-            _pace(started, self.inner.entry_nbytes(key) or kv.nbytes, self.bytes_per_s)
+            self.link.carry(self.inner.entry_nbytes(key) or kv.nbytes, not_before=started)
         return kv
 
     def reader(self, key: KVKey) -> ThrottledReader | None:
         """A paced reader over the inner store's reader, or None."""
         started = self._open()
         reader = self.inner.reader(key)
-        return ThrottledReader(reader, self.bytes_per_s, self.name, started) if reader is not None else None
+        return ThrottledReader(reader, self.link, self.name, started) if reader is not None else None
 
     def token_ids(self, key: KVKey) -> torch.Tensor | None:
         """The entry's token ids (a small metadata read: latency only)."""
