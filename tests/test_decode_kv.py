@@ -6,11 +6,12 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.decode.generate import SamplingOptions, decode
 from cacheblend_rag.decode.kv_decode import (GROUPED_MM_FROM_KEYS, KVDecoder, StopFilter, attend, attend_grouped_mm,
-                                             attend_sdpa, kv_decode)
+                                             kv_decode)
 
 TEXTS = [
     "The river Lune flows through Lancaster and reaches the sea at Sunderland Point.",
@@ -25,6 +26,12 @@ def _engines(model, tokenizer) -> tuple[CacheBlendEngine, CacheBlendEngine]:
     kv.ingest(TEXTS, show_progress=False)
     hf.ingest(TEXTS, show_progress=False)
     return kv, hf
+
+
+def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference for `attend`: torch's SDPA of q (H, d) over k, v (KVH, n, d), GQA expanded by SDPA → (H, d)."""
+    gqa = q.shape[0] != k.shape[0]
+    return F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], scale=scale, enable_gqa=gqa)[0, :, 0]
 
 
 def test_greedy_tokens_equal_hf_generate_on_every_family(tiny):

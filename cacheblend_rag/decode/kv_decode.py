@@ -71,12 +71,6 @@ def attend_grouped_mm(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out
 
 
-def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The reference for `attend`: torch's SDPA of q (H, d) over k, v (KVH, n, d), GQA expanded by SDPA → (H, d)."""
-    gqa = q.shape[0] != k.shape[0]
-    return F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], scale=scale, enable_gqa=gqa)[0, :, 0]
-
-
 class IncrementalText:
     """Text of a growing list of token ids, handed out piece by piece as each token arrives (as the streamer
     does: only an incomplete UTF-8 sequence waits); decoding restarts after a newline so each call stays cheap."""
@@ -214,10 +208,6 @@ class KVDecoder:
         # per-layer facts, read once rather than every step
         self.scales = [adapter.scaling(i) for i in range(self.num_layers)]
         self.windows = [adapter.sliding_window(i) for i in range(self.num_layers)]
-        # oneDNN-packed weights for the step's one-row matmuls: an extra copy of the weights (~0.27 GB in bf16),
-        # built (~0.3 s) at the first step, so a process that never decodes (ingest) never holds them, and after
-        # the first token (it comes from the prefill's logits); the adapter keeps them for later decoders
-        self.packed: bool | None = None
 
     def sequence(self, token_ids: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  settings: SamplingOptions, text: bool = True,
@@ -231,8 +221,9 @@ class KVDecoder:
         """Advance every sequence by its next token: their KV grows by one row; returns the (B, vocab) logits."""
         adapter = self.adapter
         device = self.device
-        if self.packed is None:
-            self.packed = adapter.packed()
+        # oneDNN-packed weights for the one-row matmuls: an extra copy of the weights (~0.27 GB in bf16) that the
+        # adapter builds (~0.3 s) at the first step of the process, so an ingest that never decodes never holds it
+        packed = adapter.packed()
         ids = torch.tensor([s.next_token for s in seqs], device=device)
         positions = torch.tensor([s.length for s in seqs], device=device)
         for s in seqs:
@@ -241,7 +232,7 @@ class KVDecoder:
         cos, sin = adapter.rotary(positions)
         hidden = adapter.embed(ids)
         for layer in range(self.num_layers):
-            q, k, v = adapter.project_qkv(layer, hidden, self.packed)
+            q, k, v = adapter.project_qkv(layer, hidden, packed)
             q = adapter.rope(q, cos, sin)
             k = adapter.rope(k, cos, sin)
             scale, window = self.scales[layer], self.windows[layer]
@@ -252,10 +243,10 @@ class KVDecoder:
                 s.v[layer, :, row] = v[i]
                 lo = max(0, row + 1 - window) if window else 0
                 attend(q[i], s.k[layer, :, lo:row + 1], s.v[layer, :, lo:row + 1], scale, out[i])
-            hidden = adapter.finish_layer(layer, hidden, out, self.packed)
+            hidden = adapter.finish_layer(layer, hidden, out, packed)
         for s in seqs:
             s.length += 1
-        return adapter.logits(hidden, self.packed).float()
+        return adapter.logits(hidden, packed).float()
 
     def advance(self, seqs: Sequence[KVSequence]) -> list[str]:
         """One step for every (unfinished) sequence: choose and accept its next token; the text pieces to hand
