@@ -1,11 +1,11 @@
 """A simulated slow (remote) tier: any store whose reads are paced to a bandwidth, plus a fixed latency per fetch.
 
 `ThrottledStore(DiskStore(root, codec="cachegen"), bytes_per_s=125e6)` behaves like a 1 Gbit/s remote store of
-cachegen entries: a reader sleeps until the stored bytes it has returned could have crossed the link, which
-every reader of the store shares (transfers queue on one `Link`, after each fetch's latency), so per-layer
-loading streams like a network transfer and the fused loop can overlap it with compute. It is a benchmark and test tool for "where does each codec, and
-where does recompute, win" (docs/benchmarks.md, "KV codecs"); the bytes paced are the inner store's stored bytes,
-i.e. compressed bytes for a coded store.
+cachegen entries: after each fetch's latency, a reader sleeps until the stored bytes it has returned could have
+crossed the link, which every reader of the store shares (transfers queue on one `Link`), so per-layer loading
+streams like a network transfer and the fused loop can overlap it with compute. It is a benchmark and test tool
+for "where does each codec, and where does recompute, win" (docs/benchmarks.md, "KV codecs"); the bytes paced are
+the inner store's stored bytes, i.e. compressed bytes for a coded store.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ class Link:
         self._free_at = 0.0  # when the link finishes what it was asked to carry so far
         self._lock = threading.Lock()
 
-    def carry(self, num_bytes: int, not_before: float = 0.0) -> None:
+    def carry(self, num_bytes: int) -> None:
         """Sleep until `num_bytes` more have crossed, queued behind every transfer asked for earlier."""
         if num_bytes <= 0:
             return
         with self._lock:
-            self._free_at = max(self._free_at, not_before, time.perf_counter()) + num_bytes / self.bytes_per_s
+            self._free_at = max(self._free_at, time.perf_counter()) + num_bytes / self.bytes_per_s
             due = self._free_at
         delay = due - time.perf_counter()
         if delay > 0:
@@ -47,10 +47,9 @@ class Link:
 class ThrottledReader:
     """A reader whose layers arrive no faster than the link allows (bytes counted from the inner reader)."""
 
-    def __init__(self, reader: LayerReader, link: Link, tier: str, started: float) -> None:
+    def __init__(self, reader: LayerReader, link: Link, tier: str) -> None:
         self._reader = reader
         self._link = link
-        self._started = started
         self._carried = 0  # stored bytes already paced over the link
         self.key, self.tier, self.token_ids = reader.key, tier, reader.token_ids
         self.num_layers, self.layer_nbytes = reader.num_layers, reader.layer_nbytes
@@ -77,7 +76,7 @@ class ThrottledReader:
 
     def _carry(self) -> None:
         read = self._reader.bytes_read
-        self._link.carry(read - self._carried, not_before=self._started)
+        self._link.carry(read - self._carried)
         self._carried = read
 
     def complete(self) -> ChunkKV | None:
@@ -114,25 +113,24 @@ class ThrottledStore:
         self.latency_s = float(latency_s)
         self.name = name
 
-    def _open(self) -> float:
-        """The fetch's start on the link: now plus the round-trip latency (slept)."""
+    def _open(self) -> None:
+        """A fetch's round-trip latency (slept)."""
         if self.latency_s:
             time.sleep(self.latency_s)
-        return time.perf_counter()
 
     def get(self, key: KVKey) -> ChunkKV | None:
         """The entry, returned once its stored bytes could have arrived; None on a miss (after the latency)."""
-        started = self._open()
+        self._open()
         kv = self.inner.get(key)
         if kv is not None:
-            self.link.carry(self.inner.entry_nbytes(key) or kv.nbytes, not_before=started)
+            self.link.carry(self.inner.entry_nbytes(key) or kv.nbytes)
         return kv
 
     def reader(self, key: KVKey) -> ThrottledReader | None:
         """A paced reader over the inner store's reader, or None."""
-        started = self._open()
+        self._open()
         reader = self.inner.reader(key)
-        return ThrottledReader(reader, self.link, self.name, started) if reader is not None else None
+        return ThrottledReader(reader, self.link, self.name) if reader is not None else None
 
     def token_ids(self, key: KVKey) -> torch.Tensor | None:
         """The entry's token ids (a small metadata read: latency only)."""
