@@ -36,6 +36,11 @@ class PackedLinear:
         # batch_size=1: the layout oneDNN picks for a single-row input, the decode step's case
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
+    @classmethod
+    def of(cls, *modules: torch.nn.Linear) -> "PackedLinear":
+        """One packed matrix for `modules` that read the same input (their outputs side by side)."""
+        return cls([m.weight for m in modules], [m.bias for m in modules])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, in) → (M, out)."""
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
@@ -45,21 +50,15 @@ class PackedLinear:
         return torch.split(self(x), self.splits, dim=-1)
 
 
-def _linear(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return module.weight, module.bias
-
-
 class PackedLayer:
     """A decoder layer's attention and MLP weights, packed: qkv (fused), o, gate_up (fused), down."""
 
     def __init__(self, block) -> None:
         attn, mlp = block.self_attn, block.mlp
-        q, k, v = (_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-        self.qkv = PackedLinear([q[0], k[0], v[0]], [q[1], k[1], v[1]])
-        self.o = PackedLinear(*([t] for t in _linear(attn.o_proj)))
-        gate, up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
-        self.gate_up = PackedLinear([gate[0], up[0]], [gate[1], up[1]])
-        self.down = PackedLinear(*([t] for t in _linear(mlp.down_proj)))
+        self.qkv = PackedLinear.of(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = PackedLinear.of(attn.o_proj)
+        self.gate_up = PackedLinear.of(mlp.gate_proj, mlp.up_proj)
+        self.down = PackedLinear.of(mlp.down_proj)
 
 
 def pack_layers(layers, lm_head) -> tuple[list[PackedLayer], PackedLinear] | None:
@@ -70,7 +69,7 @@ def pack_layers(layers, lm_head) -> tuple[list[PackedLayer], PackedLinear] | Non
         return None
     try:
         packed = [PackedLayer(block) for block in layers]
-        head = PackedLinear(*([t] for t in _linear(lm_head)))
+        head = PackedLinear.of(lm_head)
     except (RuntimeError, AttributeError) as exc:  # an unusual module or a build without the op
         logger.info("decode runs without packed weights: %s", exc)
         return None
