@@ -22,6 +22,7 @@ from .replicas import ProxyProcess, RedisServer
 
 CODECS = ("fp16", "int8", "cachegen")
 AUTO = "auto"  # the tier's own choice (RedisStore codec="auto": the link measured, choose_codec's pick)
+REMOTE_ROWS = (*CODECS, AUTO)
 
 
 def cross_replica(items: list[tuple[str, list[str]]], *, model: str, home: str | None, ratio: float = 0.15,
@@ -75,10 +76,10 @@ def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str |
 
     base = CacheBlendEngine.from_pretrained(model, kv_store=None, device=device, dtype=dtype, home=home)
     m, tok = base.model, base.tokenizer
-    ttft: dict[str, list[float]] = {c: [] for c in (*CODECS, AUTO)}
+    ttft: dict[str, list[float]] = {c: [] for c in REMOTE_ROWS}
     ttft["recompute (full prefill)"] = []
-    kl: dict[str, list[float]] = {c: [] for c in (*CODECS, AUTO)}
-    loaded: dict[str, list[int]] = {c: [] for c in (*CODECS, AUTO)}
+    kl: dict[str, list[float]] = {c: [] for c in REMOTE_ROWS}
+    loaded: dict[str, list[int]] = {c: [] for c in REMOTE_ROWS}
     with tempfile.TemporaryDirectory(prefix="cacheblend-remote-") as tmp:
         redis_server = RedisServer(Path(tmp)).start()
         proxy = ProxyProcess(redis_server.port, bits_per_s)
@@ -94,13 +95,13 @@ def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str |
             picked = auto.codec.name if auto.codec is not None else "fp16"
             writers[AUTO] = readers[AUTO] = CacheBlendEngine(m, tok, kv_store=auto, home=home)
             for i, (question, docs) in enumerate(items):
-                for c in (*CODECS, AUTO):
+                for c in REMOTE_ROWS:
                     writers[c].ingest(docs, show_progress=False)
                 full = base.prefill(docs, question, method="full_prefill")
                 timed = i > 0  # the first question warms every engine up, untimed
                 if timed:
                     ttft["recompute (full prefill)"].append(full.stats["ttft_s"])
-                for c in (*CODECS, AUTO):
+                for c in REMOTE_ROWS:
                     pre = readers[c].prefill(docs, question, recompute_ratio=ratio)
                     if pre.stats["chunk_misses"]:
                         raise RuntimeError(f"{c}: chunks missed through the proxy: {pre.stats['chunk_misses']}")
@@ -112,7 +113,7 @@ def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str |
             proxy.stop()
             redis_server.stop()
     out = {name: {"ttft_median_s": statistics.median(v)} for name, v in ttft.items()}
-    for c in (*CODECS, AUTO):
+    for c in REMOTE_ROWS:
         out[c].update(kl_mean=statistics.fmean(kl[c]), kv_mb_per_request=statistics.fmean(loaded[c]) / 1e6,
                       link_s=statistics.fmean(loaded[c]) * 8 / bits_per_s)
     fastest = min((k for k in out if k != AUTO), key=lambda k: out[k]["ttft_median_s"])

@@ -252,19 +252,20 @@ def auto_codec(tier: str, root: str | Path | None = None, *, profile: TierProfil
     """The codec for a "codec=auto" tier: measures the tier (memory copy, or a cold read under `root` for disk;
     a remote tier passes its own measured `profile`, None when it could not measure) and the codecs' decode speed
     once per process, and returns choose_codec's pick."""
-    try:
-        if tier not in ("memory", "disk"):
-            if profile is None:
-                profile = CONSERVATIVE_REMOTE
-                logger.warning("cannot measure the %s tier; assuming %.2f GB/s", tier,
-                               profile.read_bytes_per_s / 1e9)
-        elif tier == "disk" and root is not None:
-            profile = measure_disk(root, 16 * 1024**2, reserve_bytes=64 * 1024**2)
-        else:
-            profile = measure_memory(torch.device("cpu"), torch.float32, 16 * 1024**2)
-    except (ProfileError, OSError, RuntimeError) as e:
-        profile = CONSERVATIVE_DISK if tier == "disk" else CONSERVATIVE_MEMORY
-        logger.warning("cannot measure the %s tier (%s); assuming %.2f GB/s", tier, e, profile.read_bytes_per_s / 1e9)
+    if tier not in ("memory", "disk"):
+        if profile is None:
+            profile = CONSERVATIVE_REMOTE
+            logger.warning("cannot measure the %s tier; assuming %.2f GB/s", tier, profile.read_bytes_per_s / 1e9)
+    else:
+        try:
+            if tier == "disk" and root is not None:
+                profile = measure_disk(root, 16 * 1024**2, reserve_bytes=64 * 1024**2)
+            else:
+                profile = measure_memory(torch.device("cpu"), torch.float32, 16 * 1024**2)
+        except (ProfileError, OSError, RuntimeError) as e:
+            profile = CONSERVATIVE_DISK if tier == "disk" else CONSERVATIVE_MEMORY
+            logger.warning("cannot measure the %s tier (%s); assuming %.2f GB/s", tier, e,
+                           profile.read_bytes_per_s / 1e9)
     choice = choose_codec(profile, _probe_codecs())
     logger.info("the %s tier codes KV with %s (estimated s per fp16 MB: %s)", tier, choice.codec,
                 {k: round(v, 5) for k, v in choice.seconds_per_mb.items()})

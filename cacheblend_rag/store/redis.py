@@ -215,6 +215,7 @@ class RedisStore:
         from .probe import TierProfile
 
         name = f"{self.prefix}:.probe:{uuid.uuid4().hex}"
+        failures = (self._redis.exceptions.RedisError, OSError)  # redis-py's timeouts and outages are RedisErrors
         try:
             self._client.set(name, bytes(num_bytes), px=60_000)
             best = float("inf")
@@ -229,13 +230,13 @@ class RedisStore:
             logger.warning("the Redis tier at %s took over %.1f s for a %d-byte probe", self.url,
                            self._socket_timeout, num_bytes)
             return TierProfile("redis", num_bytes / self._socket_timeout)
-        except self._outage_errors + (self._redis.exceptions.RedisError,) as e:
+        except failures as e:
             logger.warning("cannot measure the Redis tier at %s (%s)", self.url, e)
             return None
         finally:
             try:
                 self._client.delete(name)
-            except self._outage_errors + (self._redis.exceptions.RedisError,):
+            except failures:
                 pass
 
     def name_for(self, key: KVKey) -> str:
