@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import math
+import random
 import sqlite3
 import tempfile
 import threading
@@ -147,7 +148,19 @@ class VariantStore:
         return self._db(BUSY_TIMEOUT_S).execute(sql, args).fetchall()
 
     def _write(self, sql: str, args: tuple, timeout_s: float = WRITE_TIMEOUT_S) -> None:
-        self._db(timeout_s).execute(sql, args)
+        # SQLite answers some contention without calling its busy handler (a WAL snapshot gone stale, the WAL
+        # index being rebuilt by another process's first open: SQLITE_BUSY at once), so a write that may wait
+        # retries until its own deadline instead of failing on the first "locked".
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._db(timeout_s).execute(sql, args)
+                return
+            except sqlite3.OperationalError as e:
+                locked = "locked" in str(e) or "busy" in str(e)
+                if not locked or "backing off" in str(e) or time.monotonic() + 0.05 > deadline:
+                    raise
+                time.sleep(0.02 + 0.03 * random.random())
 
     def _degraded(self, what: str, e: Exception) -> None:
         if "locked" in str(e) or "busy" in str(e):
