@@ -13,6 +13,7 @@ import logging
 import random
 import sys
 import statistics
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,10 +201,14 @@ def trace_loop(engine, trace: list[tuple[list[str], str]], codecs: list[str], *,
 
 
 def bandwidth_loop(engine, items: list[dict], codecs: list[str], bandwidths: list[float | None], *,
-                   num_chunks: int = 6, recompute_ratio: float = 0.15) -> dict[str, dict[str, float]]:
+                   num_chunks: int = 6, recompute_ratio: float = 0.15,
+                   disk_root: str | Path | None = None) -> dict[str, dict[str, float]]:
     """Median TTFT of cacheblend over a remote tier at each bandwidth (bytes/s; None: in-process memory) per codec,
-    every chunk a hit; and of recomputing everything (full prefill) for reference."""
-    from ..store import MemoryStore
+    every chunk a hit; with `disk_root`, also from a disk tier whose page cache is dropped before each request; and
+    of recomputing everything (full prefill) for reference. Per tier, "load share" is the median of the loop's KV
+    reading and decoding time over the rest of its layer time (what the issue's "≤ 10% of the layer" means)."""
+    from ..store import DiskStore, MemoryStore
+    from ..store.probe import drop_page_cache
     from ..store.throttled import ThrottledStore
 
     out: dict[str, dict[str, float]] = {}
@@ -216,24 +221,38 @@ def bandwidth_loop(engine, items: list[dict], codecs: list[str], bandwidths: lis
         base = MemoryStore(None, codec=name)
         for key in plain.keys():
             base.put(key, plain.get(key))
-        for bw in bandwidths:
-            store = base if bw is None else ThrottledStore(base, bw)
+        tiers: list[tuple[str, Any, Path | None]] = [
+            (_bw_label(bw), base if bw is None else ThrottledStore(base, bw), None) for bw in bandwidths]
+        if disk_root is not None:
+            folder = Path(disk_root) / name
+            disk = DiskStore(folder, codec=name)
+            for key in plain.keys():
+                disk.put(key, plain.get(key))
+            tiers.append(("disk, cold", disk, folder))
+        for label, store, folder in tiers:
             eng = _engine_over(engine, store)
-            ttfts, loaded = [], []
+            ttfts, loaded, shares = [], [], []
             for item in items:
+                if folder is not None:  # layers come from the device, not from RAM
+                    drop_page_cache(p for p in folder.rglob("*") if p.is_file())
                 pre = eng.prefill(passages_of(item, num_chunks), item["question"], method="cacheblend",
                                   recompute_ratio=recompute_ratio)
                 if pre.stats["chunk_misses"]:
                     raise RuntimeError(f"bandwidth bench: unexpected misses {pre.stats['chunk_misses']}")
+                timing = pre.stats["timing"]
                 ttfts.append(pre.stats["ttft_s"])
                 loaded.append(pre.stats["kv_bytes_loaded"])
-            out.setdefault(name, {})[_bw_label(bw)] = statistics.median(ttfts)
+                shares.append(timing["kv_load_s"] / max(timing["layers_s"] - timing["kv_load_s"], 1e-9))
+            out.setdefault(name, {})[label] = statistics.median(ttfts)
+            out[name][f"load share, {label}"] = statistics.median(shares)
             out[name]["MB loaded"] = statistics.fmean(loaded) / 1e6
-            logger.info("bandwidth %s %s: %.3f s", name, _bw_label(bw), statistics.median(ttfts))
+            logger.info("bandwidth %s %s: %.3f s, load share %.3f", name, label, statistics.median(ttfts),
+                        statistics.median(shares))
     eng = _engine_over(engine, plain)
     full = [eng.prefill(passages_of(item, num_chunks), item["question"], method="full_prefill").stats["ttft_s"]
             for item in items]
-    out["recompute (full prefill)"] = {_bw_label(bw): statistics.median(full) for bw in bandwidths}
+    labels = [_bw_label(bw) for bw in bandwidths] + (["disk, cold"] if disk_root is not None else [])
+    out["recompute (full prefill)"] = {label: statistics.median(full) for label in labels}
     out["recompute (full prefill)"]["MB loaded"] = 0.0
     return out
 
@@ -298,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth", action="store_true",
                         help="TTFT per codec over a simulated remote tier at 1 Gbit/s and 100 Mbit/s vs recompute "
                              "(--kl-questions questions); skips the quality table")
+    parser.add_argument("--disk-dir", default=None,
+                        help="folder for --bandwidth's disk tier (default: the system's temp folder; pick a real disk)")
     parser.add_argument("--no-bytes", action="store_true",
                         help="quality table without bytes per token: skips cachegen's (lossless) range coding")
     parser.add_argument("--json", metavar="PATH", help="also write the quality results per question as JSON (after "
@@ -346,14 +367,22 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['entries']} |", flush=True)
     if args.bandwidth:
         bws = [None, 1e9 / 8, 1e8 / 8]
-        rows = bandwidth_loop(engine, items[: args.kl_questions], codec_names, bws, num_chunks=args.chunks)
-        labels = [_bw_label(b) for b in bws]
+        with tempfile.TemporaryDirectory(prefix="codec-disk-", dir=args.disk_dir) as disk_root:
+            rows = bandwidth_loop(engine, items[: args.kl_questions], codec_names, bws, num_chunks=args.chunks,
+                                  disk_root=disk_root)
+        labels = [_bw_label(b) for b in bws] + ["disk, cold"]
         print(f"\nmedian TTFT (s) of cacheblend@0.15, every chunk on the tier, {args.kl_questions} questions × "
-              f"{args.chunks} passages, {args.dtype} (indicative)")
+              f"{args.chunks} passages, {args.dtype} (indicative; disk: page cache dropped before each request)")
         print("| KV | MB read per request | " + " | ".join(labels) + " |\n|---|---|" + "---|" * len(labels))
         for name, r in rows.items():
             print(f"| {name} | {r['MB loaded']:.1f} | " + " | ".join(f"{r[lb]:.3f}" for lb in labels) + " |",
                   flush=True)
+        print("\nthe loop's KV reading and decoding time over the rest of its layer time (median per request)")
+        shared = ["memory", "disk, cold"]
+        print("| KV | " + " | ".join(shared) + " |\n|---|" + "---|" * len(shared))
+        for name, r in rows.items():
+            if f"load share, {shared[0]}" in r:
+                print(f"| {name} | " + " | ".join(f"{r[f'load share, {lb}']:.1%}" for lb in shared) + " |")
     if args.no_quality or args.trace or args.bandwidth:
         return
     chosen = items[args.skip_questions: args.skip_questions + args.kl_questions]
