@@ -1,7 +1,7 @@
 """`cacheblend-rag`: ingest files (Chroma + precomputed KV) and ask questions over them.
 
     cacheblend-rag ingest PATH... [--home DIR] [--model NAME] [--memory-budget 512MiB] [--follow-symlinks]
-                          [--kv-codec fp16|int8|cachegen]
+                          [--kv-codec fp16|int8|cachegen] [--neighbor-variants K]
     cacheblend-rag ingest --from-chroma COLLECTION [--chroma-path DIR | --host H --port P]  # your own Chroma
     cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]
     cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
@@ -235,9 +235,19 @@ def _add_ingest(subparsers) -> None:
     p.add_argument("--kv-codec", default="fp16", metavar="NAME",
                    help="how new chunk KV is stored on disk: fp16 (exact, default), int8 (~2x smaller) or cachegen "
                         "(~5x smaller); stores may mix codecs, every file names its own")
+    p.add_argument("--neighbor-variants", type=int, default=0, metavar="K",
+                   help="also store each chunk's KV as computed after its K most similar chunks of this ingestion "
+                        "(Cache-Craft variants, reused by --method cachecraft; costs ~K+1 chunk prefills each)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_run_ingest)
+
+
+def _neighbor_variants(args: argparse.Namespace, engine, chunk_ids) -> int | None:
+    """`--neighbor-variants K`: Cache-Craft variants of the ingested chunks after their K nearest; how many."""
+    if not args.neighbor_variants:
+        return None
+    return engine.ingest_variants(chunk_ids, k=args.neighbor_variants, show_progress=not (args.quiet or args.json))
 
 
 def _run_ingest(args: argparse.Namespace) -> int:
@@ -252,6 +262,8 @@ def _run_ingest(args: argparse.Namespace) -> int:
     for path in args.paths:  # before the model loads
         if not os.path.lexists(Path(path).expanduser()):
             raise ConfigError(f"{path}: no such file or folder")
+    if args.neighbor_variants < 0:
+        raise ConfigError(f"--neighbor-variants must be ≥ 0, got {args.neighbor_variants}")
     engine, store = _engine_and_store(args)
     failure: IngestError | None = None
     try:
@@ -260,15 +272,19 @@ def _run_ingest(args: argparse.Namespace) -> int:
     except IngestError as e:
         failure, report = e, e.report
     _print_skipped(report.skipped)
+    variants = _neighbor_variants(args, engine, report.chunk_ids) if failure is None else None
     if failure is None and report.files == 0:
         failure = IngestError(f"no file could be ingested ({len(report.skipped)} skipped, listed above)", report)
     if args.json:
         print(json.dumps({**report.as_dict(), "collection": args.collection, "home": str(settings.home_dir(args.home)),
-                          "stored_chunks": store.count(), **({"error": str(failure)} if failure else {})}))
+                          "stored_chunks": store.count(), **({"error": str(failure)} if failure else {}),
+                          **({"neighbor_variants": variants} if variants is not None else {})}))
     else:
         status = "nothing new" if report.new_chunks == 0 else f"{report.new_chunks} new chunks"
         print(f"ingested: {report.summary()} — {status}; collection {args.collection!r} now holds "
               f"{store.count()} chunks ({store.location})")
+        if variants is not None:
+            print(f"neighbour variants stored: {variants}")
     if failure is not None:
         print(f"error: {failure}", file=sys.stderr)
         return 1
@@ -292,17 +308,23 @@ def _run_ingest_from_chroma(args: argparse.Namespace) -> int:
     # The collection first: a server that cannot be reached, or a missing collection, fails before the model loads.
     store = open_chroma_collection(args.from_chroma, path=path, home=args.home, host=args.host, port=args.port,
                                    token=args.chroma_token, ssl=args.chroma_ssl, ca_bundle=args.chroma_ca_bundle)
-    report = warm_texts(_engine(args), iter_chroma_documents(store.collection),
-                        show_progress=not (args.quiet or args.json))
+    if args.neighbor_variants < 0:
+        raise ConfigError(f"--neighbor-variants must be ≥ 0, got {args.neighbor_variants}")
+    engine = _engine(args)
+    report = warm_texts(engine, iter_chroma_documents(store.collection), show_progress=not (args.quiet or args.json))
+    variants = _neighbor_variants(args, engine, report.chunk_ids)
     for s in report.skipped[:_MAX_LISTED]:
         print(f"skipped document {s.doc_id}: {s.reason}", file=sys.stderr)
     if len(report.skipped) > _MAX_LISTED:
         print(f"skipped {len(report.skipped) - _MAX_LISTED} more documents (see --json)", file=sys.stderr)
     if args.json:
         print(json.dumps({**report.as_dict(), "collection": args.from_chroma, "chroma": store.location,
-                          "home": str(settings.home_dir(args.home))}))
+                          "home": str(settings.home_dir(args.home)),
+                          **({"neighbor_variants": variants} if variants is not None else {})}))
     else:
         print(f"warmed from Chroma collection {args.from_chroma!r} ({store.location}): {report.summary()}")
+        if variants is not None:
+            print(f"neighbour variants stored: {variants}")
     return 0
 
 

@@ -33,6 +33,7 @@ from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_chunks
 from .fuse.sequence import FusedSequence
 from .ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
 from .ingest.index import ChunkIndex, normalize_prompt
+from .ingest.neighbors import NEIGHBOR_QUESTION, VARIANT_KINDS, Embed, default_embed, nearest_neighbors
 from .ingest.registry import ChunkRegistry
 from .loading.controller import LoadingController, RatioDecision
 from .loading.profile import load_or_measure
@@ -187,12 +188,16 @@ class CacheBlendEngine:
 
     # ---- chunks -------------------------------------------------------------------------
 
-    def ingest(self, texts: str | Iterable[str], *, show_progress: bool = True) -> list[str]:
+    def ingest(self, texts: str | Iterable[str], *, show_progress: bool = True, variants: str | None = None,
+               neighbors: int = 2, embed: Embed | None = None) -> list[str]:
         """Precompute and store the KV of each chunk (skipping stored ones); returns their chunk ids.
 
         A single string is one chunk. A chunk that cannot fit the context window behind the lead-in is refused
-        (split it first); a store that cannot keep the KV raises KVWriteError.
+        (split it first); a store that cannot keep the KV raises KVWriteError. `variants="neighbors"` also stores
+        each chunk computed after its `neighbors` most similar chunks of this call (`ingest_variants`).
         """
+        if variants is not None and variants not in VARIANT_KINDS:
+            raise ConfigError(f"variants must be one of {VARIANT_KINDS} or None, got {variants!r}")
         if isinstance(texts, str):
             texts = [texts]
         chunks = [self._fitting(self.chunks.add(make_chunk(t, self.tokenizer))) for t in texts]
@@ -201,7 +206,39 @@ class CacheBlendEngine:
                 if not self.cache.has_kv(chunk.chunk_id):
                     self.cache.compute_and_store(chunk)
                 self.index.add([(chunk.chunk_id, chunk.text)])
-        return [c.chunk_id for c in chunks]
+        ids = [c.chunk_id for c in chunks]
+        if variants is not None:
+            self.ingest_variants(ids, k=neighbors, embed=embed, show_progress=show_progress)
+        return ids
+
+    def ingest_variants(self, chunk_ids: Iterable[str], *, k: int = 2, embed: Embed | None = None,
+                        show_progress: bool = True) -> int:
+        """Store each chunk's KV as computed after its k most similar of `chunk_ids` (Cache-Craft variants that
+        `method="cachecraft"` reuses when those chunks come before it again); returns how many were stored."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"neighbors must be an integer ≥ 1, got {k!r}")
+        ids = list(dict.fromkeys(chunk_ids))
+        if len(ids) < 2:
+            return 0
+        texts = [self.resolve_chunk(c).text for c in ids]
+        vectors = torch.as_tensor((embed or default_embed)(texts), dtype=torch.float32)
+        stored = 0
+        for i, near in enumerate(tqdm(nearest_neighbors(vectors, k), desc="neighbour variants", unit="chunk",
+                                      disable=not show_progress)):
+            context = [ids[j] for j in near]
+            while True:
+                try:
+                    pre = self.prefill([*context, ids[i]], NEIGHBOR_QUESTION, "cachecraft", compute_last=True,
+                                       use_focus=False)
+                    break
+                except PromptTooLongError:
+                    if len(context) <= 1:
+                        pre = None
+                        break
+                    context = context[1:]  # the least similar neighbour goes first
+            if pre is not None:
+                stored += int(pre.stats["cachecraft"]["variants_stored"])
+        return stored
 
     def _fitting(self, chunk: Chunk) -> Chunk:
         room = self.context_window - len(self.lead_in_ids)

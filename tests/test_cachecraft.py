@@ -262,3 +262,77 @@ def test_first_use_full_grows_variants_on_a_warm_corpus(engine):
     assert first.stats["cachecraft"]["variants_stored"] == 3
     again = engine.prefill(TEXTS, QUESTION, "cachecraft", first_use="full")
     assert again.stats["cachecraft"]["variant_hits"] == 3 and again.stats["num_recomputed"] == 0
+
+
+# ---- neighbour variants at ingestion (FusionRAG) ------------------------------------------------------
+
+
+def _bag_of_words(texts: list[str]) -> list[list[float]]:
+    """A real (if crude) embedding: word counts over the texts' vocabulary."""
+    vocab = sorted({w for t in texts for w in t.lower().split()})
+    return [[float(t.lower().split().count(w)) for w in vocab] for t in texts]
+
+
+def test_nearest_neighbors_are_the_most_similar_others_least_similar_first():
+    from cacheblend_rag.ingest.neighbors import nearest_neighbors
+
+    vectors = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.6, 0.4]])
+    assert nearest_neighbors(vectors, 2) == [[3, 1], [3, 0], [1, 3], [0, 1]]
+    assert nearest_neighbors(vectors, 9)[2] == [0, 1, 3]  # k beyond the others: all of them
+    assert nearest_neighbors(vectors[:1], 2) == [[]]
+    with pytest.raises(ValueError, match="k"):
+        nearest_neighbors(vectors, 0)
+
+
+def test_ingest_neighbor_variants_are_reused_when_the_neighbours_come_first(engine):
+    from cacheblend_rag.ingest.neighbors import nearest_neighbors
+
+    ids = engine.ingest(TEXTS, variants="neighbors", neighbors=2, embed=_bag_of_words, show_progress=False)
+    near = nearest_neighbors(torch.tensor(_bag_of_words(TEXTS)), 2)
+    variants = VariantStore.for_store(engine.kv_store)
+    for i, cid in enumerate(ids):
+        contexts = [v.context for v in variants.lookup(engine.namespace, cid)]
+        assert tuple(ids[j] for j in near[i]) in contexts  # computed after its two nearest, least similar first
+    target = 0
+    order = [ids[j] for j in near[target]] + [ids[target]]
+    pre = engine.prefill(order, QUESTION, "cachecraft", use_focus=False)
+    last = _chunks(pre)[-1]
+    assert last["variant_kind"] == "context" and last["variant"] == order[:-1]
+    assert last["budget"] == 0  # the same chunks before it, in the same order: nothing to fix
+    assert engine.ingest_variants(ids, k=2, embed=_bag_of_words, show_progress=False) == 0  # stored already
+
+
+def test_ingest_rejects_unknown_variant_kinds_and_bad_neighbour_counts(engine):
+    with pytest.raises(ConfigError, match="variants"):
+        engine.ingest(TEXTS, variants="similar", show_progress=False)
+    with pytest.raises(ConfigError, match="neighbors"):
+        engine.ingest(TEXTS, variants="neighbors", neighbors=0, show_progress=False)
+
+
+# ---- the quality guard inside Cache-Craft -------------------------------------------------------------
+
+
+def test_cachecraft_guard_estimates_and_escalates_every_partial_budget(engine):
+    engine.ingest(TEXTS, show_progress=False)
+    plain = engine.prefill(TEXTS, QUESTION, "cachecraft", use_focus=False)
+    assert "guard" not in plain.stats.as_dict()
+    flagged = engine.prefill(TEXTS, QUESTION, "cachecraft", use_focus=False, guard=0.0)
+    guard = flagged.stats["guard"]
+    assert guard["estimate"] > 0 and guard["flagged"] and not guard["escalated"]  # flag only: same budgets
+    assert [c["budget"] for c in _chunks(flagged)] == [c["budget"] for c in _chunks(plain)]
+    quiet = engine.prefill(TEXTS, QUESTION, "cachecraft", use_focus=False, guard=1e9, guard_ratio=0.8)
+    assert not quiet.stats["guard"]["flagged"] and quiet.stats["num_recomputed"] == flagged.stats["num_recomputed"]
+    escalated = engine.prefill(TEXTS, QUESTION, "cachecraft", use_focus=False, guard=0.0, guard_ratio=0.8)
+    assert escalated.stats["guard"]["escalated"]
+    for c in _chunks(escalated)[1:]:  # the first chunk follows the lead-in: exact, nothing to fix
+        assert c["recomputed"] >= math.ceil(0.8 * c["num_tokens"] - 1e-9)
+    assert escalated.stats["num_recomputed"] > flagged.stats["num_recomputed"]
+
+
+def test_cachecraft_guard_reads_zero_when_nothing_reused_stays_stale(engine):
+    pre = engine.prefill(TEXTS, QUESTION, "cachecraft", guard=0.01)  # cold: every chunk a hole, computed in full
+    assert pre.stats["guard"]["estimate"] == 0.0 and not pre.stats["guard"]["flagged"]
+    with pytest.raises(ConfigError, match="guard"):
+        make_policy("cachecraft", guard=-1)
+    with pytest.raises(ConfigError, match="guard_ratio"):
+        make_policy("cachecraft", guard_ratio=0.5)  # an escalation without a threshold

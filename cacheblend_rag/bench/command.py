@@ -105,8 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     trace = parser.add_argument_group("--trace")
     trace.add_argument("--k", type=int, default=6, help="passages per trace request (default 6)")
     trace.add_argument("--trace-modes", default="warm,cold",
-                       help="corpus modes: warm (every passage precomputed), cold (caches from live requests only); "
-                       "default both")
+                       help="corpus modes: warm (every passage precomputed), cold (caches from live requests only), "
+                       "neighbors (warm, plus cachecraft's variants of each passage after its 2 nearest passages); "
+                       "default warm,cold")
     trace.add_argument("--guard", type=float, default=None, metavar="THRESHOLD",
                        help="evaluate the quality guard: methods that take one compute it (flag only), and a twin "
                        "escalates flagged requests to --guard-ratio")

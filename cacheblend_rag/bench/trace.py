@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine import CacheBlendEngine
+from ..store import MemoryStore
 from ..fuse.policies import POLICIES, option_names
 from .datasets import passages_of
 from .methods import REFERENCE, MethodSpec
@@ -34,8 +35,9 @@ from .metrics import first_token_kl, rouge_l, token_f1
 
 logger = logging.getLogger(__name__)
 
-MODES = ("warm", "cold")
+MODES = ("warm", "cold", "neighbors")  # neighbors: warm + Cache-Craft variants after each passage's nearest
 DEFAULT_METHODS = "full_prefill,cacheblend@0.15,cacheblend@0.30,full_reuse"
+GUARD_FLOOR = 0.3  # the guard twin of a method without a ratio (cachecraft): flagged chunks recompute ≥ this share
 GUARD_SWEEP_QUANTILES = (0.5, 0.6, 0.7, 0.8, 0.9)  # estimate thresholds for the offline recall/precision sweep
 
 
@@ -103,8 +105,11 @@ def with_guard(specs: list[MethodSpec], threshold: float, escalate_to: float | N
             out.append(spec)
             continue
         out.append(replace(spec, options={**spec.options, "guard": threshold}))
-        ratio = spec.ratio if spec.ratio is not None else getattr(POLICIES[spec.method](), "recompute_ratio", 0.0)
-        target = escalate_to if escalate_to is not None else min(1.0, 2 * ratio)
+        ratio = spec.ratio if spec.ratio is not None else getattr(POLICIES[spec.method](), "recompute_ratio", None)
+        if escalate_to is not None:
+            target = escalate_to
+        else:  # twice the method's ratio; a method with per-chunk budgets (no ratio) raises each to a floor
+            target = min(1.0, 2 * ratio) if ratio else GUARD_FLOOR
         out.append(replace(spec, label=f"{spec.label}/guard={threshold:g}/guard_ratio={target:g}",
                            options={**spec.options, "guard": threshold, "guard_ratio": target}))
     return out
@@ -179,8 +184,9 @@ def run(model, tokenizer, items: list[dict], specs: list[MethodSpec], *, mode: s
         specs = [MethodSpec.parse(REFERENCE), *specs]
     passages = [passages_of(item, None) for item in items]
     trace = make_trace([len(p) for p in passages], repeats, k, seed)
-    lanes = [_Lane(s, CacheBlendEngine(model, tokenizer, None, lead_in=lead_in)) for s in specs]
-    if mode == "warm":  # every passage precomputed in isolation, once, and placed in every lane's store
+    # Unbounded memory stores: the trace measures recompute, not capacity (warm lanes share the same tensors).
+    lanes = [_Lane(s, CacheBlendEngine(model, tokenizer, MemoryStore(None), lead_in=lead_in)) for s in specs]
+    if mode in ("warm", "neighbors"):  # every passage precomputed in isolation, once, in every lane's store
         first = lanes[0].engine
         # only the passages the trace asks for: the rest would never be read (same results, less ingestion)
         texts = list(dict.fromkeys(passages[r.question_index][i] for r in trace for i in r.passages))
@@ -190,6 +196,14 @@ def run(model, tokenizer, items: list[dict], specs: list[MethodSpec], *, mode: s
                 key = first.cache.key(chunk_id)
                 lane.engine.kv_store.put(key, first.kv_store.get(key))
             lane.engine.ingest(texts, show_progress=False)  # registers the texts; the KV is stored already
+    if mode == "neighbors":  # each passage also after its nearest passages of the same question (FusionRAG)
+        for lane in lanes:
+            if lane.spec.method != "cachecraft":
+                continue
+            for qi in sorted({r.question_index for r in trace}):
+                used = {i for r in trace if r.question_index == qi for i in r.passages}
+                lane.engine.ingest_variants([first.resolve_chunk(passages[qi][i]).chunk_id for i in sorted(used)],
+                                            show_progress=False)
     torch.manual_seed(seed)
     bar = tqdm(total=len(trace) * len(lanes), desc=f"trace ({mode})", unit="run", disable=not show_progress)
     for request in trace:
@@ -381,13 +395,14 @@ def plot_kl_vs_ttft(results: list[dict], path: str | Path) -> Path:
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7.4, 4.6))
-    markers = {"warm": "o", "cold": "s"}
+    markers = {"warm": "o", "cold": "s", "neighbors": "^"}
+    colors = {"warm": "tab:blue", "cold": "tab:orange", "neighbors": "tab:green"}
     for result in results:
         for label, s in result["summary"].items():
             if label == REFERENCE or s["kl"] is None:
                 continue
             ax.scatter(s["ttft_median_s"], s["kl"], marker=markers.get(result["mode"], "o"), s=40, zorder=3,
-                       color="tab:blue" if result["mode"] == "warm" else "tab:orange")
+                       color=colors.get(result["mode"], "tab:gray"))
             ax.annotate(label, (s["ttft_median_s"], s["kl"]), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ref = result["summary"].get(REFERENCE)
         if ref:

@@ -35,6 +35,7 @@ from ...errors import ConfigError
 from ...ingest.chunks import Chunk
 from ...models.adapter import LlamaFamilyAdapter
 from ...store import ChunkKV, LayerReader
+from ..guard import QualityGuard, check_guard_options
 from ..hkvd import hkvd_score, question_attention
 from ..loop import LayerView, LoopResult
 from ..placement import Placements
@@ -149,7 +150,10 @@ class CacheCraft:
     use_cci: bool = True  # ablation: False recomputes random tokens at the same budgets
     first_use: str = "reuse"  # "full": a chunk with no in-context variant yet is computed in full (and stored)
     store_variants: bool = True  # store chunks computed in full in context as variants
+    compute_last: bool = False  # the last chunk computed in full after the others (ingestion's neighbour variants)
     variant_budget_mb: float = 1024.0  # variants' bytes per namespace; beyond it the least useful are evicted
+    guard: float | None = None  # quality guard threshold (fuse/guard.py), measured at the check layer
+    guard_ratio: float | None = None  # a flagged request recomputes at least this share of each reused chunk
     name: ClassVar[str] = "cachecraft"
 
     def __post_init__(self) -> None:
@@ -164,11 +168,12 @@ class CacheCraft:
             raise ConfigError(f"token_choice must be one of {TOKEN_CHOICES}, got {self.token_choice!r}")
         if self.first_use not in FIRST_USES:
             raise ConfigError(f"first_use must be one of {FIRST_USES}, got {self.first_use!r}")
-        for name in ("use_beta", "use_focus", "use_cci", "store_variants"):
+        for name in ("use_beta", "use_focus", "use_cci", "store_variants", "compute_last"):
             _check_bool(name, getattr(self, name))
         b = self.variant_budget_mb
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0:
             raise ConfigError(f"variant_budget_mb must be a number ≥ 0, got {b!r}")
+        check_guard_options(self.guard, self.guard_ratio)
 
     def resolved_alpha(self, cache) -> float:
         """α: as given, else calibrated for the cache's model, device and dtype, else DEFAULT_ALPHA."""
@@ -194,7 +199,8 @@ class CacheCraft:
             plan = ChunkPlan(i, chunk, int(start), context, token_digest(token_ids[:start]))
             plans.append(plan)
             try:
-                self._choose(cache, variants, plan, alpha, first=(i == 0 and follows_lead_in))
+                self._choose(cache, variants, plan, alpha, first=(i == 0 and follows_lead_in),
+                             last=(i == len(request.chunks) - 1))
             except BaseException:
                 out.close()  # the readers opened so far
                 raise
@@ -207,7 +213,8 @@ class CacheCraft:
         _PENDING.plan = RequestPlan(self, alpha, ns, variants, plans)
         return out
 
-    def _choose(self, cache, variants: VariantStore, plan: "ChunkPlan", alpha: float, first: bool) -> None:
+    def _choose(self, cache, variants: VariantStore, plan: "ChunkPlan", alpha: float, first: bool,
+                last: bool = False) -> None:
         """Score every variant of the chunk (eqs. 6–12) and open the cheapest whose KV is readable."""
         chunk, n = plan.chunk, plan.chunk.num_tokens
         stored = variants.lookup(cache.namespace, chunk.chunk_id)
@@ -238,6 +245,8 @@ class CacheCraft:
                 continue
             if self.first_use == "full" and not in_context and not first and plan.context:
                 cfo = 1.0  # first use in context: compute it in full once, so it is stored as a variant
+            if self.compute_last and last and plan.context and v.lead_digest != plan.lead_digest:
+                cfo = 1.0  # a variant after exactly these chunks is what was asked for (unless it is stored)
             plan.reader, plan.variant = reader, v
             plan.beta, plan.gamma, plan.beta_adj, plan.cfo = beta, gamma, beta_adj, cfo
             plan.exact = v.kv_id is None and first
@@ -323,6 +332,7 @@ class CraftSelection(RowSelection):
     cutoff_layer: int | None = None
     attention: dict[int, _Attention] = field(default_factory=dict)  # chunk position → metadata being gathered
     queries: list[tuple] = field(default_factory=list)  # (layer, rows, q, scale) of those chunks' rows
+    guard: QualityGuard | None = None
     report_: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -330,6 +340,7 @@ class CraftSelection(RowSelection):
         active = ~seq.cached
         self.dropped = torch.zeros_like(seq.cached)
         self.hkvd: list[ChunkPlan] = []
+        self.checked: list[ChunkPlan] = []  # chunks whose budget rows were chosen up front, checked by the guard
         num_chunks = len(self.request.chunks)
         for p in self.request.chunks:
             n = p.chunk.num_tokens
@@ -360,8 +371,20 @@ class CraftSelection(RowSelection):
                         and (p.variant is None or p.variant.lead_digest != p.lead_digest))
             if p.record:
                 self.attention[p.position] = _Attention(torch.zeros(num_chunks, dtype=torch.float64))
+        self.planned = active.clone()  # rows the budgets keep (hkvd chunks: chosen at the check layer)
+        partial = [p for p in self.request.chunks if p.choice in ("ranking", "random", "head", "none")
+                   and p.reader is not None and not p.exact]
+        if policy.guard is not None:
+            self.guard = QualityGuard(policy.guard, policy.guard_ratio)
+            if not (partial or self.hkvd):  # every reused row recomputed (or none reused): nothing stays stale
+                self.guard.settle(0.0)
+            elif self.adapter.num_layers <= CHECK_LAYER + 1:  # no check layer to measure at: not estimated
+                self.guard.settle(None)
+            else:  # fresh and cached K/V of every reused row, once: all of them through the check layer
+                active = active | seq.reused
+                self.checked = partial
         self.active = active
-        self.full_layers = CHECK_LAYER + 1 if self.hkvd else 0
+        self.full_layers = CHECK_LAYER + 1 if self.hkvd or self.checked else 0
         self.cumulative = [0.0] * num_chunks
 
     # ---- per layer -------------------------------------------------------------------------
@@ -371,8 +394,13 @@ class CraftSelection(RowSelection):
         changed = False
         if self.attention:
             self._gather(view)
-        if self.hkvd and view.layer == CHECK_LAYER:
+        if (self.hkvd or self.checked) and view.layer == CHECK_LAYER:
+            watching = self.guard is not None and self.guard.estimate is None and self.full_layers > 0
+            if watching:
+                self.guard.observe(view)
             self._choose_hkvd(view)
+            if watching:
+                self._guard(view)
             changed = True
         if self.policy.use_focus and self.cutoff_layer is None and len(self.request.chunks) >= 3:
             changed |= self._focus(view)
@@ -392,6 +420,27 @@ class CraftSelection(RowSelection):
             drop = torch.ones(rows.numel(), dtype=torch.bool, device=rows.device)
             drop[torch.isin(rows, top)] = False
             self.dropped[rows[drop]] = True
+
+    def _guard(self, view: LayerView) -> None:
+        """Estimate from the rows the budgets keep; a flagged request raises every partial budget to guard_ratio."""
+        seq = view.seq
+        for p in self.checked:  # their planned rows stay; the rest of their rows stop after this layer
+            rows = torch.arange(p.rows.start, p.rows.stop, device=seq.cached.device)
+            self.dropped[rows[~self.planned[rows]]] = True
+        escalate_to = self.guard.decide(~self.dropped & (self.active | self.planned), seq)
+        if escalate_to is None:
+            return
+        score = question_attention(view) if view.cached_k is None else hkvd_score(view, "k", "attention")
+        for p in [*self.checked, *self.hkvd]:
+            n = p.chunk.num_tokens
+            rows = torch.arange(p.rows.start, p.rows.stop, device=score.device)
+            kept = int((~self.dropped[rows]).sum())
+            extra = min(n, math.ceil(escalate_to * n - 1e-9)) - kept
+            if extra <= 0:
+                continue
+            dropped = rows[self.dropped[rows]]
+            self.dropped[dropped[score[dropped].topk(min(extra, dropped.numel())).indices]] = False
+            p.budget = max(p.budget, kept + min(extra, dropped.numel()))
 
     def _focus(self, view: LayerView) -> bool:
         """Algorithm 1: accumulate question→chunk attention; cut once the focused set held for w layers."""
@@ -537,4 +586,6 @@ class CraftSelection(RowSelection):
             "cutoff_layer": self.cutoff_layer,
             "variants_stored": 0, "variants_evicted": 0,
         }
+        if self.guard is not None:
+            self.report_.update(self.guard.report())
         return self.report_
