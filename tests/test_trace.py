@@ -160,3 +160,31 @@ def test_rank_correlation_of_estimate_and_kl():
     assert trace.rank_correlation([0.1, 0.2, 0.3], [5.0, 2.0, 1.0]) == pytest.approx(-1.0)
     assert trace.rank_correlation([0.1, 0.1, 0.1], [1.0, 2.0, 3.0]) is None  # a constant side orders nothing
     assert trace.rank_correlation([0.1, 0.2], [1.0, 2.0]) is None
+
+
+def test_neighbors_mode_serves_cachecraft_from_neighbour_variants(musique, tiny_llama):
+    model, tokenizer = tiny_llama
+    specs = [MethodSpec.parse("full_prefill"), MethodSpec("cachecraft", "cachecraft", None, {"use_focus": False})]
+    result = trace.run(model, tokenizer, _items(musique), specs, mode="neighbors", repeats=2, k=2, max_new_tokens=2,
+                       show_progress=False)
+    craft = [r for r in result["records"] if r["method"] == "cachecraft"]
+    assert all(r["chunk_hits"] == 2 and r["num_hole_tokens"] == 0 for r in craft)  # warm underneath
+    assert sum(r["variants"]["variant_hits"] for r in craft) > 0  # some chunk came after a neighbour again
+
+
+def test_each_guarded_method_is_compared_with_its_own_twin():
+    specs = trace.with_guard(trace.parse_trace_methods("cachecraft,cachecraft/alpha=0.25"), 0.01, None)
+    records = []
+    for spec in specs[1:]:
+        escalates = "guard_ratio" in spec.options
+        for i in range(4):
+            flagged = "alpha" in spec.options  # only the α = 0.25 lane flags (and its twin escalates)
+            records.append({"method": spec.label, "ttft_s": 2.0 if flagged and escalates else 1.0, "kl": 0.1,
+                            "first_token_match": i > 0, "answer_match": i > 0,
+                            "guard": {"estimate": 0.02 if flagged else 0.0, "flagged": flagged,
+                                      "escalated": flagged and escalates}})
+    found = trace.guard_detection(records, specs)
+    assert found["cachecraft"]["escalation"]["method"] == "cachecraft/guard=0.01/guard_ratio=0.3"
+    assert found["cachecraft"]["escalation"]["escalated_share"] == 0.0
+    assert found["cachecraft/alpha=0.25"]["escalation"]["escalated_share"] == 1.0
+    assert found["cachecraft/alpha=0.25"]["escalation"]["extra_ttft"] == pytest.approx(1.0)

@@ -69,9 +69,11 @@ def make_trace(passages_per_question: list[int], repeats: int, k: int, seed: int
 
 
 def _value(text: object) -> object:
-    """An option given on the command line as text: an int or a float where it reads as one."""
+    """An option given on the command line as text: a bool, an int or a float where it reads as one."""
     if not isinstance(text, str):
         return text
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for kind in (int, float):
         try:
             return kind(text)
@@ -318,8 +320,8 @@ def guard_detection(records: list[dict], specs: list[MethodSpec]) -> dict:
                  # how well the estimate orders requests by their real distance from full prefill
                  "estimate_kl_spearman": rank_correlation([r["guard"]["estimate"] for r in measured],
                                                           [r["kl"] for r in measured])}
-        twin = next((s for s in specs if s.method == spec.method and s.ratio == spec.ratio
-                     and s.options.get("guard") == spec.options["guard"] and "guard_ratio" in s.options), None)
+        twin = next((s for s in specs if s.method == spec.method and s.ratio == spec.ratio and "guard_ratio" in s.options
+                     and {k: v for k, v in s.options.items() if k != "guard_ratio"} == spec.options), None)
         if twin is not None:
             twin_rows = [r for r in records if r["method"] == twin.label]
             base_ttft = statistics.fmean(r["ttft_s"] for r in rows)
