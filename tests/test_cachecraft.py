@@ -44,6 +44,7 @@ def test_registered_and_options_checked():
     assert make_policy("cachecraft", alpha=0.4, focus_window=2).alpha == 0.4
     for options, match in [({"alpha": -0.1}, "alpha"), ({"alpha": "high"}, "alpha"), ({"alpha": math.nan}, "alpha"),
                            ({"alpha": True}, "alpha"), ({"focus_window": 0}, "focus_window"),
+                           ({"focus_min_layer": -1}, "focus_min_layer"),
                            ({"token_choice": "best"}, "token_choice"), ({"use_beta": "yes"}, "use_beta"),
                            ({"first_use": "never"}, "first_use"), ({"variant_budget_mb": -1}, "variant_budget_mb"),
                            ({"beta": 1}, "no option 'beta'")]:
@@ -116,6 +117,10 @@ def test_focus_stops_unfocused_chunks(engine):
     assert focused.stats["num_recomputed"] < wide.stats["num_recomputed"]
     assert all(c["recomputed"] == 0 for c in cc["chunks"] if c["position"] not in cc["focused_chunks"])
     assert wide.stats["cachecraft"]["cutoff_layer"] is None
+    late = engine.prefill(TEXTS, QUESTION, "cachecraft", alpha=1.0, focus_window=1, token_choice="hkvd",
+                          focus_min_layer=2)
+    assert late.stats["cachecraft"]["cutoff_layer"] >= 2  # never before the floor
+    assert late.stats["num_recomputed"] >= focused.stats["num_recomputed"]
 
 
 def test_random_tokens_ablation_keeps_the_budget(engine):

@@ -147,6 +147,9 @@ class CacheCraft:
 
     alpha: float | None = None  # None: the calibrated α of this model (`cacheblend-rag calibrate`), else DEFAULT_ALPHA
     focus_window: int = 3  # w of Algorithm 1: layers the focused set must hold before the others stop
+    # The first layer at which focus may stop chunks (None: a third of the model's depth). Algorithm 1 alone cut
+    # at layer 2 (the earliest w = 3 allows) on every warm MuSiQue request measured, keeping only the last chunk.
+    focus_min_layer: int | None = None
     token_choice: str = "ranking"  # "ranking": the variant's stored ranking; "hkvd": question-weighted HKVD at layer 1
     use_beta: bool = True  # ablation: False takes β' = 0 (every variant is out of context)
     use_focus: bool = True  # ablation: False never stops recomputing unfocused chunks
@@ -167,6 +170,9 @@ class CacheCraft:
         w = self.focus_window
         if isinstance(w, bool) or not isinstance(w, int) or w < 1:
             raise ConfigError(f"focus_window must be an integer ≥ 1, got {w!r}")
+        m = self.focus_min_layer
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ConfigError(f"focus_min_layer must be an integer ≥ 0 (or None for a third of the depth), got {m!r}")
         if self.token_choice not in TOKEN_CHOICES:
             raise ConfigError(f"token_choice must be one of {TOKEN_CHOICES}, got {self.token_choice!r}")
         if self.first_use not in FIRST_USES:
@@ -445,6 +451,10 @@ class CraftSelection(RowSelection):
             self.dropped[dropped[score[dropped].topk(min(extra, dropped.numel())).indices]] = False
             p.budget = max(p.budget, kept + min(extra, dropped.numel()))
 
+    def _focus_min_layer(self) -> int:
+        m = self.policy.focus_min_layer
+        return self.adapter.num_layers // 3 if m is None else m
+
     def _focus(self, view: LayerView) -> bool:
         """Algorithm 1: accumulate question→chunk attention; cut once the focused set held for w layers."""
         seq = view.seq
@@ -456,7 +466,7 @@ class CraftSelection(RowSelection):
         self.cumulative = [c + float(x) for c, x in zip(self.cumulative, per_chunk.tolist())]
         self.history.append(frozenset(focused_chunks(self.cumulative)))
         w = self.policy.focus_window
-        if len(self.history) < w or len(set(self.history[-w:])) != 1:
+        if len(self.history) < w or len(set(self.history[-w:])) != 1 or view.layer < self._focus_min_layer():
             return False
         self.focused, self.cutoff_layer = self.history[-1], view.layer
         unfocused = torch.zeros_like(seq.cached)
