@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -432,3 +433,18 @@ def test_cachegen_half_bits_set_the_levels_between_the_whole_widths():
     errs = [float((CacheGenCodec(key_bits=b).reconstruct_layer(x, x, 0, 1, torch.float32)[0] - x).abs().mean())
             for b in (4, 4.5, 5)]
     assert errs[0] > errs[1] > errs[2]
+
+
+def test_combined_quality_tables_keep_only_settings_every_run_has(tmp_path, capsys):
+    from cacheblend_rag.bench.codec_bench import print_combined
+
+    def run(path, settings, kl):
+        path.write_text(json.dumps({s: {"kl": [kl, kl], "agreement": [1.0, 1.0], "bpt": [2.0, 2.0],
+                                        "match": [1.0, 1.0]} for s in settings}))
+        return str(path)
+
+    print_combined([run(tmp_path / "a.json", ["fp16", "int8", "cachegen"], 0.1),
+                    run(tmp_path / "b.json", ["fp16", "int8"], 0.3)])
+    out = capsys.readouterr().out
+    assert "4 questions from 2 runs (left out, not in every run: cachegen)" in out
+    assert "| int8 |" in out and "| cachegen |" not in out

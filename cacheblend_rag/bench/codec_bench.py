@@ -285,14 +285,19 @@ def quality_rows(results: dict[str, dict[str, list[float]]], baseline: str = "fp
 
 def print_combined(paths: list[str]) -> None:
     """One quality table from the per-question results of several runs (same settings, disjoint questions)."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    # Only settings every run has: a Δ against the fp16 store must compare the same questions.
+    shared = [label for label in runs[0] if all(label in run for run in runs[1:])]
+    left_out = sorted({label for run in runs for label in run} - set(shared))
     merged: dict[str, dict[str, list[float]]] = {}
-    for path in paths:
-        for label, rec in json.loads(Path(path).read_text()).items():
+    for run in runs:
+        for label in shared:
             dst = merged.setdefault(label, {})
-            for metric, values in rec.items():
+            for metric, values in run[label].items():
                 dst.setdefault(metric, []).extend(values)
     n = len(next(iter(merged.values()))["kl"])
-    print(f"{n} questions from {len(paths)} runs")
+    print(f"{n} questions from {len(paths)} runs" + (f" (left out, not in every run: {', '.join(left_out)})"
+                                                     if left_out else ""))
     print(QUALITY_HEADER)
     print("\n".join(quality_rows(merged)))
 
