@@ -235,7 +235,7 @@ def _add_ingest(subparsers) -> None:
     p.add_argument("--kv-codec", default="fp16", metavar="NAME",
                    help="how new chunk KV is stored on disk: fp16 (exact, default), int8 (~2x smaller) or cachegen "
                         "(~5x smaller); stores may mix codecs, every file names its own")
-    p.add_argument("--neighbor-variants", type=int, default=0, metavar="K",
+    p.add_argument("--neighbor-variants", type=_positive_int, default=None, metavar="K",
                    help="also store each chunk's KV as computed after its K most similar chunks of this ingestion "
                         "(Cache-Craft variants, reused by --method cachecraft; costs ~K+1 chunk prefills each)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -262,8 +262,6 @@ def _run_ingest(args: argparse.Namespace) -> int:
     for path in args.paths:  # before the model loads
         if not os.path.lexists(Path(path).expanduser()):
             raise ConfigError(f"{path}: no such file or folder")
-    if args.neighbor_variants < 0:
-        raise ConfigError(f"--neighbor-variants must be ≥ 0, got {args.neighbor_variants}")
     engine, store = _engine_and_store(args)
     failure: IngestError | None = None
     try:
@@ -308,8 +306,6 @@ def _run_ingest_from_chroma(args: argparse.Namespace) -> int:
     # The collection first: a server that cannot be reached, or a missing collection, fails before the model loads.
     store = open_chroma_collection(args.from_chroma, path=path, home=args.home, host=args.host, port=args.port,
                                    token=args.chroma_token, ssl=args.chroma_ssl, ca_bundle=args.chroma_ca_bundle)
-    if args.neighbor_variants < 0:
-        raise ConfigError(f"--neighbor-variants must be ≥ 0, got {args.neighbor_variants}")
     engine = _engine(args)
     report = warm_texts(engine, iter_chroma_documents(store.collection), show_progress=not (args.quiet or args.json))
     variants = _neighbor_variants(args, engine, report.chunk_ids)

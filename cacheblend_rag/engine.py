@@ -225,19 +225,14 @@ class CacheBlendEngine:
         stored = 0
         for i, near in enumerate(tqdm(nearest_neighbors(vectors, k), desc="neighbour variants", unit="chunk",
                                       disable=not show_progress)):
-            context = [ids[j] for j in near]
-            while True:
+            for start in range(len(near)):  # too long for the window: the least similar neighbour goes first
                 try:
-                    pre = self.prefill([*context, ids[i]], NEIGHBOR_QUESTION, "cachecraft", compute_last=True,
-                                       use_focus=False)
-                    break
+                    pre = self.prefill([*(ids[j] for j in near[start:]), ids[i]], NEIGHBOR_QUESTION, "cachecraft",
+                                       compute_last=True, use_focus=False)
                 except PromptTooLongError:
-                    if len(context) <= 1:
-                        pre = None
-                        break
-                    context = context[1:]  # the least similar neighbour goes first
-            if pre is not None:
+                    continue
                 stored += int(pre.stats["cachecraft"]["variants_stored"])
+                break
         return stored
 
     def _fitting(self, chunk: Chunk) -> Chunk:

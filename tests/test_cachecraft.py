@@ -256,6 +256,9 @@ def test_cli_accepts_the_method_and_checks_calibrate_options(capsys):
     assert build_parser().parse_args(["ask", "q?", "--method", "cachecraft"]).method == "cachecraft"
     assert main(["calibrate", "--target-kl", "-1"]) == 2
     assert "--target-kl" in capsys.readouterr().err
+    assert build_parser().parse_args(["ingest", "docs", "--neighbor-variants", "2"]).neighbor_variants == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ingest", "docs", "--neighbor-variants", "0"])
 
 
 def test_first_use_full_grows_variants_on_a_warm_corpus(engine):

@@ -100,6 +100,11 @@ class Variant:
         return cls(chunk_id, None, (), "", num_tokens)
 
 
+def _locked(e: Exception) -> bool:
+    """Whether SQLite said the database is locked or busy (another process holds it)."""
+    return "locked" in str(e) or "busy" in str(e)
+
+
 class VariantStore:
     """Variants' metadata in SQLite and their KV in the engine's KVStore (same namespace as chunk KV)."""
 
@@ -157,13 +162,12 @@ class VariantStore:
                 self._db(timeout_s).execute(sql, args)
                 return
             except sqlite3.OperationalError as e:
-                locked = "locked" in str(e) or "busy" in str(e)
-                if not locked or "backing off" in str(e) or time.monotonic() + 0.05 > deadline:
+                if not _locked(e) or "backing off" in str(e) or time.monotonic() + 0.05 > deadline:
                     raise
                 time.sleep(0.02 + 0.03 * random.random())
 
     def _degraded(self, what: str, e: Exception) -> None:
-        if "locked" in str(e) or "busy" in str(e):
+        if _locked(e):
             self._skip_until = time.monotonic() + LOCKED_BACKOFF_S
         if not self._warned:
             logger.warning("cachecraft variant metadata %s failed (%s: %s); serving without variants (said once)",

@@ -381,10 +381,10 @@ class CraftSelection(RowSelection):
             if p.record:
                 self.attention[p.position] = _Attention(torch.zeros(num_chunks, dtype=torch.float64))
         self.planned = active.clone()  # rows the budgets keep (hkvd chunks: chosen at the check layer)
-        partial = [p for p in self.request.chunks if p.choice in ("ranking", "random", "head", "none")
-                   and p.reader is not None and not p.exact]
         if policy.guard is not None:
             self.guard = QualityGuard(policy.guard, policy.guard_ratio)
+            partial = [p for p in self.request.chunks if p.choice in ("ranking", "random", "head", "none")
+                       and p.reader is not None and not p.exact]
             if not (partial or self.hkvd):  # every reused row recomputed (or none reused): nothing stays stale
                 self.guard.settle(0.0)
             elif self.adapter.num_layers <= CHECK_LAYER + 1:  # no check layer to measure at: not estimated
@@ -404,11 +404,10 @@ class CraftSelection(RowSelection):
         if self.attention:
             self._gather(view)
         if (self.hkvd or self.checked) and view.layer == CHECK_LAYER:
-            watching = self.guard is not None and self.guard.estimate is None and self.full_layers > 0
-            if watching:
+            if self.guard is not None:  # a settled guard never gets here: no hkvd or checked chunks then
                 self.guard.observe(view)
             self._choose_hkvd(view)
-            if watching:
+            if self.guard is not None:
                 self._guard(view)
             changed = True
         if self.policy.use_focus and self.cutoff_layer is None and len(self.request.chunks) >= 3:
@@ -436,7 +435,7 @@ class CraftSelection(RowSelection):
         for p in self.checked:  # their planned rows stay; the rest of their rows stop after this layer
             rows = torch.arange(p.rows.start, p.rows.stop, device=seq.cached.device)
             self.dropped[rows[~self.planned[rows]]] = True
-        escalate_to = self.guard.decide(~self.dropped & (self.active | self.planned), seq)
+        escalate_to = self.guard.decide(self.active & ~self.dropped, seq)  # active ⊇ planned
         if escalate_to is None:
             return
         score = question_attention(view) if view.cached_k is None else hkvd_score(view, "k", "attention")
@@ -481,11 +480,13 @@ class CraftSelection(RowSelection):
 
     def _gather(self, view: LayerView) -> None:
         """Keep the queries of the rows of chunks computed in full; their attention is measured after TTFT."""
+        if view.layer % METADATA_EVERY != METADATA_EVERY - 1:
+            return
         recording = torch.zeros_like(view.seq.cached)
         for pos in self.attention:
             recording[self.request.chunks[pos].rows] = True
         pick = recording[view.rows]
-        if view.layer % METADATA_EVERY == METADATA_EVERY - 1 and bool(pick.any()):  # the loop never writes into q in place; the layer's keys are result.keys[layer]
+        if bool(pick.any()):  # the loop never writes into q in place; the layer's keys are result.keys[layer]
             self.queries.append((view.layer, view.rows[pick], view.q[pick], view.scale))
 
     def _measure(self, result: LoopResult) -> None:
