@@ -78,3 +78,16 @@ def chroma_ca_bundle(override: str | os.PathLike[str] | None = None) -> str | No
         return os.fspath(Path(override).expanduser())
     env = os.environ.get(ENV_CHROMA_CA)
     return os.fspath(Path(env).expanduser()) if env else None
+
+
+ENV_DECODE_KERNEL = "CACHEBLEND_RAG_DECODE_KERNEL"
+
+
+def decode_kernel_enabled() -> bool:
+    """Whether decode attention may use the compiled C kernel (set CACHEBLEND_RAG_DECODE_KERNEL=0 for torch's ops)."""
+    return os.environ.get(ENV_DECODE_KERNEL, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def kernels_dir() -> Path:
+    """Where compiled kernels are cached: per machine rather than per home, so a test's temporary home reuses them."""
+    return Path("~/.cache/cacheblend-rag/kernels").expanduser()

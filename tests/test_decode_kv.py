@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.decode.generate import SamplingOptions, decode
 from cacheblend_rag.decode.kv_decode import (GROUPED_MM_FROM_KEYS, KVDecoder, StopFilter, attend, attend_grouped_mm,
-                                             kv_decode)
+                                             attend_torch, kv_decode)
+from cacheblend_rag.kernels import decode_step as kernel
 
 TEXTS = [
     "The river Lune flows through Lancaster and reaches the sea at Sunderland Point.",
@@ -145,11 +146,60 @@ def test_attend_equals_sdpa_over_a_sliced_head_major_buffer(dtype, tol, heads, k
     outs = []
     for start in (0, lo):  # the whole cache, then a sliding window's rows only
         ref = attend_sdpa(q.float(), k[:, start:n].float(), v[:, start:n].float(), 0.125)
-        for fn in (attend, attend_grouped_mm):
+        for fn in (attend, attend_torch, attend_grouped_mm):
             out = fn(q, k[:, start:n], v[:, start:n], 0.125, torch.empty(heads, d, dtype=dtype))
             assert out.dtype == dtype and torch.allclose(out.float(), ref, atol=tol, rtol=tol), fn.__name__
         outs.append(out)
     assert not torch.allclose(outs[0], outs[1], atol=tol)  # the window does change what is attended
+
+
+def _compiler() -> bool:
+    import shutil
+    return any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+
+
+@pytest.mark.skipif(not _compiler(), reason="no C compiler on this machine: decode attention stays on torch's ops")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 3000])  # one key; around a block of 256; many blocks
+def test_decode_attention_kernel_equals_sdpa_in_fp32(dtype, tol, n):
+    assert kernel.library() is not None  # a compiler is here: the kernel must build
+    gen = torch.Generator().manual_seed(n)
+    heads, kv_heads, d = 9, 3, 64
+    k = torch.randn(kv_heads, n + 7, d, generator=gen).to(dtype)
+    v = torch.randn(kv_heads, n + 7, d, generator=gen).to(dtype)
+    k[:, n:], v[:, n:] = float("nan"), float("nan")  # unfilled rows are never read
+    q = (4 * torch.randn(heads, d, generator=gen)).to(dtype)
+    out = torch.full((heads, d), float("nan"), dtype=dtype)
+    assert kernel.decode_attention(q, k[:, :n], v[:, :n], 0.125, out) is out
+    ref = attend_sdpa(q.float(), k[:, :n].float(), v[:, :n].float(), 0.125)
+    # bf16: the kernel is closer to an fp32 reference than the bf16 matmul path, whose scores are rounded to bf16
+    assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not _compiler(), reason="no C compiler on this machine: decode steps stay on torch's ops")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_linear_rows_kernel_equals_f_linear(dtype, tol, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = (torch.randn(960, 576, generator=gen) / 24).to(dtype)
+    bias = torch.randn(960, generator=gen).to(dtype)
+    for b in (None, bias):
+        ours = kernel.linear_rows(x, weight, b)
+        ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        assert ours is not None and ours.dtype == dtype and ours.shape == (rows, 960)
+        assert torch.allclose(ours.float(), ref, atol=tol, rtol=tol)
+    assert kernel.linear_rows(torch.randn(5, 576).to(dtype), weight) is None  # > 4 rows: oneDNN's matmul instead
+    assert kernel.linear_rows(x, weight.t().contiguous().t()) is None  # a transposed view: not row-major
+
+
+def test_decode_attention_kernel_declines_what_it_does_not_take():
+    q, k = torch.randn(4, 64, dtype=torch.float16), torch.randn(2, 10, 64, dtype=torch.float16)
+    assert kernel.decode_attention(q, k, k, 0.125, torch.empty_like(q)) is None  # fp16
+    k32 = torch.randn(2, 10, 128)[..., ::2]  # rows not contiguous
+    assert kernel.decode_attention(torch.randn(4, 64), k32, k32, 0.125, torch.empty(4, 64)) is None
+    q3 = torch.randn(3, 64)  # 3 query heads over 2 KV heads: not grouped-query attention
+    assert kernel.decode_attention(q3, torch.randn(2, 10, 64), torch.randn(2, 10, 64), 0.1, torch.empty(3, 64)) is None
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

@@ -9,7 +9,9 @@ filled once from the prefill's per-layer keys (after RoPE) and values. A step ru
             ─▶ attend over the sequence's filled rows ─▶ finish_layer            ─▶ logits (B, vocab)
 
 Projections, MLP and LM head run batched over the B rows of the step (one per sequence); attention runs per
-sequence over its own rows, so sequences of different lengths advance together (continuous batching).
+sequence over its own rows, so sequences of different lengths advance together (continuous batching). Attention
+goes through a small C kernel (kernels/decode_step.c: keys split over the threads, fp32 softmax) where the
+machine can build it, else through torch's SDPA or per-KV-head matmuls (`attend_torch`, the reference).
 
 The first token comes from the prefill's own logits when they are given (`first_logits`: the engine's path), so
 the first text piece is out one decode step sooner and every prompt row goes into the buffer. Without them, as
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels.decode_step import decode_attention
 from .generate import SamplingOptions
 
 logger = logging.getLogger(__name__)
@@ -40,7 +43,14 @@ GROUPED_MM_FROM_KEYS = 1280
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """One decode query per head, q (H, d), over head-major k, v (KVH, n, d) → out (H, d), written in place;
-    through whichever of SDPA or the grouped matmuls is faster for this dtype and length."""
+    through the C kernel where it is built (kernels/decode_step.c), else `attend_torch`."""
+    if decode_attention(q, k, v, scale, out) is not None:
+        return out
+    return attend_torch(q, k, v, scale, out)
+
+
+def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """`attend` on torch's ops: whichever of SDPA or the grouped matmuls is faster for this dtype and length."""
     if q.dtype == torch.float32 or k.shape[1] < GROUPED_MM_FROM_KEYS:
         kv_heads = k.shape[0]
         # the G query heads of a KV head are G query rows of that head: no K/V expansion, no GQA flag
