@@ -16,6 +16,8 @@ import random
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ..fuse.policies.cachecraft import calibration_path
 from .datasets import passages_of
 from .metrics import first_token_kl
@@ -34,12 +36,13 @@ def _requests(item: dict, num_chunks: int, seed: int) -> tuple[list[str], list[s
 
 
 def calibrate(engine, items: list[dict], target_kl: float, *, alphas: tuple[float, ...] = ALPHAS,
-              num_chunks: int = 6, seed: int = 0, focus_window: int = 3) -> dict:
+              num_chunks: int = 6, seed: int = 0, focus_window: int = 3, show_progress: bool = True) -> dict:
     """Mean first-token KL and recomputed share per α on `items`; α* = the smallest α meeting `target_kl`."""
     kls: dict[float, list[float]] = {a: [] for a in alphas}
     shares: dict[float, list[float]] = {a: [] for a in alphas}
     blend_kl, blend_share = [], []
-    for n, item in enumerate(items):
+    # ≈ 45 s a question on 2 CPU cores (a cold request, a precompute, full prefill, CacheBlend and every α)
+    for n, item in enumerate(tqdm(items, desc="calibrate", unit="question", disable=not show_progress)):
         first, second = _requests(item, num_chunks, seed + n)
         question = item["question"]
         engine.prefill(first, question, "cachecraft", focus_window=focus_window)  # variants from a live request
