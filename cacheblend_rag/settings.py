@@ -84,7 +84,7 @@ ENV_DECODE_KERNEL = "CACHEBLEND_RAG_DECODE_KERNEL"
 
 
 def decode_kernel_enabled() -> bool:
-    """Whether decode attention may use the compiled C kernel (set CACHEBLEND_RAG_DECODE_KERNEL=0 for torch's ops)."""
+    """Whether decode steps may use the compiled C kernels (set CACHEBLEND_RAG_DECODE_KERNEL=0 for torch's ops)."""
     return os.environ.get(ENV_DECODE_KERNEL, "1").strip().lower() not in ("0", "false", "no", "off")
 
 

@@ -114,12 +114,14 @@ DEFINE_BLOCK(NAME##_block64, T, LOAD, 64)                                       
 DEFINE_BLOCK(NAME##_block128, T, LOAD, 128)                                                                         \
 DEFINE_BLOCK(NAME##_block, T, LOAD, d_arg)                                                                          \
 int NAME(const T *q, const T *k, const T *v, T *out, int heads, int kv_heads, int d, int64_t head_stride,          \
-         int64_t n, float scale, float *scratch) {                                                                 \
+         int64_t n, float scale) {                                                                                 \
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > MAX_GROUP || d > MAX_DIM || n <= 0) \
         return -1;                                                                                                  \
     const int group = heads / kv_heads;                                                                             \
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;                                                                 \
     const int64_t stride = 2 + d; /* max, sum, values */                                                            \
+    float *scratch = malloc(sizeof(float) * heads * blocks * stride); /* every block's partial results */          \
+    if (!scratch) return -2;                                                                                        \
     _Pragma("omp parallel for schedule(static)")                                                                    \
     for (int64_t item = 0; item < kv_heads * blocks; item++) {                                                      \
         const int h = (int)(item / blocks);                                                                         \
@@ -149,6 +151,7 @@ int NAME(const T *q, const T *k, const T *v, T *out, int heads, int kv_heads, in
         }                                                                                                           \
         for (int t = 0; t < d; t++) out[(int64_t)i * d + t] = STORE(acc[t] / total);                                \
     }                                                                                                               \
+    free(scratch);                                                                                                  \
     return 0;                                                                                                       \
 }
 
@@ -157,11 +160,6 @@ int NAME(const T *q, const T *k, const T *v, T *out, int heads, int kv_heads, in
 
 DEFINE_KERNEL(decode_attention_bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_KERNEL(decode_attention_f32, float, LOAD_FLOAT, STORE_FLOAT)
-
-/* Floats of scratch the kernels need for n keys. */
-int64_t decode_attention_scratch(int heads, int d, int64_t n) {
-    return (int64_t)heads * ((n + BLOCK - 1) / BLOCK) * (2 + d);
-}
 
 #define DEFINE_GEMV(NAME, T, LOAD, STORE)                                                                           \
 int NAME(const T *x, const T *w, const T *bias, T *y, int rows, int64_t out, int64_t in) {                         \

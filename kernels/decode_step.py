@@ -92,14 +92,11 @@ def library() -> ctypes.CDLL | None:
         for name in ("decode_attention_bf16", "decode_attention_f32"):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float,
-                                                                                               ctypes.c_void_p]
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float]
         for name in ("gemv_bf16", "gemv_f32"):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        lib.decode_attention_scratch.restype = ctypes.c_int64
-        lib.decode_attention_scratch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
         _library = lib
         return lib
 
@@ -122,13 +119,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if lib is None or not supports(q, k, v) or not out.is_contiguous() or out.dtype != q.dtype:
         return None
     heads, d = q.shape
-    n = k.shape[1]
-    scratch = torch.empty(lib.decode_attention_scratch(heads, d, n), dtype=torch.float32)
     fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
-    rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads, k.shape[0], d, k.stride(0), n,
-            float(scale), scratch.data_ptr())
+    rc = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), heads, k.shape[0], d, k.stride(0), k.shape[1],
+            float(scale))
     if rc != 0:
-        raise RuntimeError(f"decode_attention refused shapes q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise RuntimeError(f"decode_attention failed ({rc}) on q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out
 
 
