@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,14 +26,14 @@ from .decode.kv_decode import KVDecoder, KVSequence, kv_decode
 from .decode.stream import stream_decode
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import ChunkCache
-from .fuse.layout import PromptTemplate, assemble, assemble_pieces
+from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
 from .fuse.placement import Placements
 from .fuse.policies import make_policy
 from .fuse.policy import FusionRequest, Policy
 from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_chunks
 from .fuse.sequence import FusedSequence
 from .ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
-from .ingest.index import ChunkIndex, normalize_prompt
+from .ingest.index import ChunkIndex, normalize_prompt_map
 from .ingest.neighbors import NEIGHBOR_QUESTION, VARIANT_KINDS, Embed, default_embed, nearest_neighbors
 from .ingest.registry import ChunkRegistry
 from .loading.controller import LoadingController, RatioDecision
@@ -341,32 +342,38 @@ class CacheBlendEngine:
                                  auto_ratio=self._auto_ratio if auto else None)
 
     def _prompt_request(self, prompt: Prompt) -> FusionRequest:
-        """Split a prompt into the user's text and the stored chunks found in it."""
-        text, chat = self._prompt_text(prompt)
-        scan = self.index.scan(text)
+        """The prompt tokenized once, as the model would tokenize it, and the stored chunks found in it, each
+        placed where the prompt's own tokens reproduce its stored tokens (edge tokens merged with the text around
+        a chunk are computed)."""
+        text, add_special_tokens = self._prompt_text(prompt)
+        if not self.tokenizer.is_fast:
+            raise ConfigError(f"{self.model_name}'s tokenizer is not a fast tokenizer: prompts need its character "
+                              "offsets to find stored chunks; load the model's tokenizer.json (use_fast=True)")
+        encoded = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
+        if len(ids) > self.context_window:
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens exceeds the model's context window of "
+                                     f"{self.context_window} tokens; shorten it or retrieve fewer chunks")
+        normalized, raw_index = normalize_prompt_map(text)
+        scan = self.index.scan(normalized)
         if not scan.matches and len(text) >= _CONTEXT_CHARS and len(self.index):
             _warn_no_match(scan.changed)
-        pieces, chunks, pos = [], [], 0
+        chunks, rows = [], []
         for m in scan.matches:
-            pieces.append(text[pos:m.start])
-            chunks.append(self.resolve_chunk(m.chunk_id))
-            pos = m.end
-        pieces.append(text[pos:])
-        encode = self.tokenizer
-        ids = [encode(p, add_special_tokens=(i == 0 and not chat))["input_ids"] if p else []
-               for i, p in enumerate(pieces)]
-        layout = assemble_pieces(ids, [c.token_ids for c in chunks])
-        n = int(layout.token_ids.numel())
-        if n > self.context_window:
-            raise PromptTooLongError(f"prompt of {n} tokens exceeds the model's context window of "
-                                     f"{self.context_window} tokens; shorten it or retrieve fewer chunks")
-        return FusionRequest(chunks, layout)
+            chunk = self.resolve_chunk(m.chunk_id)
+            found = align_chunk(ids, offsets, raw_index[m.start], raw_index[m.end - 1] + 1, chunk.token_ids.tolist())
+            if found is not None:
+                row, start, stop = found
+                chunks.append(chunk.part(start, stop))
+                rows.append((row, stop - start))
+        return FusionRequest(chunks, prompt_layout(ids, rows))
 
     def _prompt_text(self, prompt: Prompt) -> tuple[str, bool]:
-        """(normalized prompt text, whether it came from chat messages)."""
+        """(the prompt's text in NFC, whether the tokenizer adds its special tokens: for a string, as
+        `tokenizer(prompt)` does; chat messages are rendered by the chat template, which writes its own)."""
         if isinstance(prompt, str):
             _check_question(prompt, "prompt")
-            return normalize_prompt(prompt), False
+            return unicodedata.normalize("NFC", prompt), True
         if not isinstance(prompt, Sequence) or not prompt or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in prompt):
@@ -377,7 +384,7 @@ class CacheBlendEngine:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"{self.model_name} has no chat template; pass the prompt as a string")
         text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-        return normalize_prompt(text), True
+        return unicodedata.normalize("NFC", text), False
 
     @property
     def controller(self) -> LoadingController:

@@ -13,6 +13,7 @@ from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.fuse.policies import POLICIES, CacheCraft, make_policy
 from cacheblend_rag.fuse.policies.cachecraft import (DEFAULT_ALPHA, cache_fix_overhead, focused_chunks,
                                                      order_penalty, prefix_overlap)
+from cacheblend_rag.ingest.chunks import Chunk
 from cacheblend_rag.fuse.variants import Variant, VariantStore, cci, variant_kv_id
 from cacheblend_rag.store import ChunkKV, DiskStore, KVKey
 
@@ -231,7 +232,7 @@ def test_two_processes_add_variants_of_one_chunk(tmp_path):
     found = variants.lookup("ns", "c" * 32)
     assert len(found) == 12
     for v in found:
-        reader = variants.reader("ns", v, torch.arange(8))
+        reader = variants.reader("ns", v, Chunk("c" * 32, "text", torch.arange(8)))
         assert reader is not None
         reader.close()
 

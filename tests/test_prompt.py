@@ -7,10 +7,13 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.ingest.chunks import chunk_id, normalize_text
-from cacheblend_rag.ingest.index import ChunkIndex, normalize_prompt
+from cacheblend_rag.fuse.layout import align_chunk
+from cacheblend_rag.ingest.index import ChunkIndex, normalize_prompt, normalize_prompt_map
 
 from conftest import tiny_model
 
@@ -110,3 +113,71 @@ def test_a_long_prompt_with_no_stored_chunk_warns_once(engine, caplog, monkeypat
         engine.prefill_prompt(prompt, method="full_reuse")
     warnings = [r for r in caplog.records if "no stored chunk" in r.getMessage()]
     assert len(warnings) == 1 and "differs" in warnings[0].getMessage()
+
+
+# ---- token-exact alignment: the prompt is tokenized once, as the model tokenizes it ----------------------------
+
+def merging_prompt(texts: list[str]) -> str:
+    """Chunks glued to the text around them: a space before each (" The" is one token), CRLF line ends, trailing
+    spaces: the chunk's own first token is not the prompt's."""
+    return ("Notes: " + " and ".join(texts) + "   \r\nQ: " + QUESTION + "\r\nA:")
+
+
+def test_full_prefill_of_a_string_prompt_is_the_models_own_forward(engine):
+    prompt = merging_prompt(TEXTS)
+    expected_ids = engine.tokenizer(prompt)["input_ids"]
+    full = engine.prefill_prompt(prompt, method="full_prefill")
+    assert full.token_ids.tolist() == expected_ids
+    with torch.no_grad():
+        expected = engine.model(torch.tensor([expected_ids])).logits[0, -1]
+    torch.testing.assert_close(full.logits, expected, atol=1e-4, rtol=1e-4)
+    blend = engine.prefill_prompt(prompt, recompute_ratio=1.0)
+    assert blend.stats["chunk_hits"] == [chunk_id(t) for t in TEXTS]  # found and placed, though their edges merged
+    own = sum(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in TEXTS)
+    assert own - 2 * len(TEXTS) <= blend.stats["num_reused"] < own  # all but the merged edge tokens
+    torch.testing.assert_close(blend.logits, expected, atol=1e-4, rtol=1e-4)
+    reuse = engine.prefill_prompt(prompt, method="full_reuse")
+    assert reuse.token_ids.tolist() == expected_ids and float((reuse.logits - expected).abs().max()) > 1e-3
+
+
+def test_full_prefill_of_chat_messages_is_the_models_forward_over_the_chat_template(engine):
+    messages = [{"role": "system", "content": "Answer from the notes."},
+                {"role": "user", "content": "Notes: " + " ".join(TEXTS) + f" Question: {QUESTION}"}]
+    expected_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=True)["input_ids"]
+    for method in ("full_prefill", "cacheblend"):
+        pre = engine.prefill_prompt(messages, method=method, **({"recompute_ratio": 1.0} if method != "full_prefill" else {}))
+        assert pre.token_ids.tolist() == list(expected_ids)
+        with torch.no_grad():
+            expected = engine.model(torch.tensor([expected_ids])).logits[0, -1]
+        torch.testing.assert_close(pre.logits, expected, atol=1e-4, rtol=1e-4)
+    assert pre.stats["chunk_hits"] == [chunk_id(t) for t in TEXTS]
+
+
+def test_a_merged_first_chunk_is_placed_in_part_and_its_whole_kv_stored(engine):
+    engine.drop_kv([chunk_id(TEXTS[0])])
+    engine.index.add([(chunk_id(TEXTS[0]), normalize_text(TEXTS[0]))])
+    prompt = merging_prompt(TEXTS[:1])
+    first = engine.prefill_prompt(prompt, method="prefix_cache")  # the first token merged: not exact behind it
+    own = len(engine.tokenizer(normalize_text(TEXTS[0]), add_special_tokens=False)["input_ids"])
+    assert first.stats["chunk_misses"] == [chunk_id(TEXTS[0])] and first.stats["num_exact_cached"] < own
+    engine.prefill_prompt(prompt)  # a hole: computed in place, then the whole chunk stored
+    assert torch.equal(engine.cache.token_ids(chunk_id(TEXTS[0])),
+                       torch.tensor(engine.tokenizer(normalize_text(TEXTS[0]), add_special_tokens=False)["input_ids"]))
+    assert engine.prefill_prompt(prompt).stats["chunk_hits"] == [chunk_id(TEXTS[0])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab \t\r\n\u00e9")), max_size=40))
+def test_the_normalized_prompt_maps_back_to_the_users_characters(text):
+    normalized, index = normalize_prompt_map(text)
+    assert normalized == normalize_prompt(text) and len(index) == len(normalized)
+    assert index == sorted(set(index))
+    assert all(c == text[j] or (c == "\n" and text[j] == "\r") for c, j in zip(normalized, index))
+
+
+def test_align_chunk_leaves_out_merged_edges():
+    # prompt tokens: [x][" The"][cat][sat][.\n]; the chunk "The cat sat." alone: [The][cat][sat][.]
+    prompt_ids, offsets = [9, 1, 2, 3, 7], [(0, 5), (5, 9), (9, 13), (13, 17), (17, 19)]
+    assert align_chunk(prompt_ids, offsets, 6, 18, [4, 2, 3, 5]) == (2, 1, 3)
+    assert align_chunk(prompt_ids, offsets, 6, 18, [8, 8]) is None

@@ -16,7 +16,7 @@ import torch
 from ..errors import KVWriteError
 from ..ingest.chunks import Chunk
 from ..models.adapter import LlamaFamilyAdapter
-from ..store import ChunkKV, KVKey, KVStore, LayerReader, ResidentReader
+from ..store import ChunkKV, KVKey, KVStore, LayerReader, ResidentReader, SlicedReader
 from .loop import run_layers
 from .policy import RowSelection
 from .sequence import FusedSequence, Placement
@@ -26,6 +26,19 @@ logger = logging.getLogger(__name__)
 
 def _ids_bytes(token_ids: Sequence[int]) -> bytes:
     return torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()
+
+
+def part_of(reader: LayerReader | None, chunk: Chunk) -> LayerReader | None:
+    """The rows of `reader` that `chunk` places (all of them, or a part's), or None (closing the reader) when the
+    stored tokens are not the chunk's."""
+    if reader is None:
+        return None
+    if not torch.equal(reader.token_ids.cpu(), chunk.whole.token_ids.cpu()):
+        reader.close()
+        return None
+    if not chunk.is_part:
+        return reader
+    return SlicedReader(reader, chunk.kv_start, chunk.kv_start + chunk.num_tokens)
 
 
 class ChunkCache:
@@ -55,12 +68,8 @@ class ChunkCache:
     # ---- lookups ------------------------------------------------------------------------
 
     def reader(self, chunk: Chunk, lead_in_ids: Sequence[int] | None = None) -> LayerReader | None:
-        """A reader of the chunk's stored KV whose token ids match the chunk's, or None."""
-        reader = self.store.reader(self.key(chunk.chunk_id, lead_in_ids))
-        if reader is not None and not torch.equal(reader.token_ids, chunk.token_ids):
-            reader.close()
-            return None
-        return reader
+        """A reader of the chunk's stored KV whose token ids match the chunk's (a part's rows only), or None."""
+        return part_of(self.store.reader(self.key(chunk.chunk_id, lead_in_ids)), chunk)
 
     def has_kv(self, chunk_id: str) -> bool:
         """Whether the chunk's KV (behind the lead-in) is stored and its header checks out."""
@@ -121,13 +130,13 @@ class ChunkCache:
         lead_ids = self.lead_in_ids if lead_in_ids is None else list(lead_in_ids)
         lead = self.exact_segment(lead_ids) if lead_ids else None
         try:
-            kv = self.compute(chunk.token_ids, lead)
+            kv = self.compute(chunk.whole.token_ids, lead)  # a part: the whole chunk is what is stored
         finally:
             if lead is not None:
                 lead.close()
         key = self.key(chunk.chunk_id, lead_in_ids)
         self._put(key, kv, best_effort=best_effort)
-        return ResidentReader(kv, key, "computed")
+        return part_of(ResidentReader(kv, key, "computed"), chunk)
 
     def _put(self, key: KVKey, kv: ChunkKV, *, best_effort: bool) -> None:
         try:

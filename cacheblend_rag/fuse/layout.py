@@ -1,8 +1,10 @@
-"""Prompt layout: [prefix][chunk 0][sep][chunk 1]...[chunk k-1][suffix], assembled from token ids."""
+"""Prompt layout: [prefix][chunk 0][sep][chunk 1]...[chunk k-1][suffix], assembled from token ids (the package's
+own template), or a user's prompt tokenized whole with the stored chunks aligned to its tokens."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from difflib import SequenceMatcher
 
 import torch
 
@@ -73,24 +75,38 @@ def assemble(prefix: list[int], chunks: list[torch.Tensor], separator: list[int]
     return Layout(torch.cat(pieces), torch.cat(segments), len(prefix), tuple(starts))
 
 
-def assemble_pieces(texts: list[list[int]], chunks: list[torch.Tensor]) -> Layout:
-    """[text 0][chunk 0][text 1]...[chunk k-1][text k] with contiguous positions (a prompt the user wrote).
+def align_chunk(prompt_ids: list[int], offsets: list[tuple[int, int]], start: int, end: int,
+                chunk_ids: list[int]) -> tuple[int, int, int] | None:
+    """Where the prompt's own tokens reproduce a chunk found at characters [start, end) of the prompt.
 
-    The exact prefix is text 0 when there are chunks; with none, nothing is a prefix (the prompt is computed).
+    `offsets` are the prompt tokens' character spans. Of the tokens inside [start, end), the longest run equal to a
+    run of the chunk's own tokens is returned as (first row, first chunk token, past-the-last chunk token); tokens
+    at the chunk's edges that merged with the text around it are left out (they are computed). None: no token of
+    the chunk survived.
     """
-    if len(texts) != len(chunks) + 1:
-        raise ValueError(f"{len(chunks)} chunks need {len(chunks) + 1} text pieces, got {len(texts)}")
-    pieces: list[torch.Tensor] = []
-    segments: list[torch.Tensor] = []
-    starts: list[int] = []
-    row = 0
-    for i, text in enumerate(texts):
-        pieces.append(torch.tensor(text, dtype=torch.long))
-        segments.append(torch.full((len(text),), -1, dtype=torch.long))
-        row += len(text)
-        if i < len(chunks):
-            starts.append(row)
-            pieces.append(chunks[i].to(torch.long).cpu())
-            segments.append(torch.full((chunks[i].numel(),), i, dtype=torch.long))
-            row += chunks[i].numel()
-    return Layout(torch.cat(pieces), torch.cat(segments), len(texts[0]) if chunks else 0, tuple(starts))
+    window = [j for j, (a, b) in enumerate(offsets) if start <= a and b <= end and a < b]
+    if not window:
+        return None
+    lo, hi = window[0], window[-1] + 1
+    match = SequenceMatcher(None, prompt_ids[lo:hi], chunk_ids, autojunk=False).find_longest_match(
+        0, hi - lo, 0, len(chunk_ids))
+    if match.size == 0:
+        return None
+    return lo + match.a, match.b, match.b + match.size
+
+
+def prompt_layout(token_ids: list[int], parts: list[tuple[int, int]]) -> Layout:
+    """The prompt's own tokens, with chunk i's stored tokens at rows [row_i, row_i + n_i) given as (row_i, n_i).
+
+    Chunks are in row order and do not overlap; the exact prefix is every row before the first chunk (none when
+    the prompt carries no chunk: then it is all computed).
+    """
+    segments = torch.full((len(token_ids),), -1, dtype=torch.long)
+    last = 0
+    for i, (row, n) in enumerate(parts):
+        if row < last or row + n > len(token_ids):
+            raise ValueError(f"chunk {i} at rows {row}:{row + n} overlaps another or runs past the prompt")
+        segments[row:row + n] = i
+        last = row + n
+    return Layout(torch.tensor(token_ids, dtype=torch.long), segments, parts[0][0] if parts else 0,
+                  tuple(row for row, _ in parts))

@@ -46,14 +46,15 @@ def exact_prefix(cache: ChunkCache, request: FusionRequest) -> Placements:
     """The exact prefix and the first chunk as it follows it (computed and stored on a miss, then hit)."""
     prefix, chunks = request.prefix_ids, request.chunks
     out = _prefix(cache, prefix)
-    if chunks:
+    exact_first = bool(chunks) and chunks[0].kv_start == 0  # a first token merged into the prefix: not exact
+    if exact_first:
         first = chunks[0]
         reader = cache.reader(first, lead_in_ids=prefix)
         (out.hits if reader is not None else out.misses).append(first.chunk_id)
         if reader is None:
             reader = cache.compute_and_store(first, lead_in_ids=prefix, best_effort=True)
         out.placements.append(Placement(request.layout.chunk_starts[0], reader, exact=True))
-    out.misses += [c.chunk_id for c in chunks[1:]]
+    out.misses += [c.chunk_id for c in chunks[int(exact_first):]]
     return out
 
 
@@ -70,5 +71,5 @@ def every_chunk(cache: ChunkCache, request: FusionRequest) -> Placements:
             continue
         out.hits.append(chunk.chunk_id)
         # The first chunk after the very prefix it was precomputed behind is exact.
-        out.placements.append(Placement(start, reader, exact=(i == 0 and follows_lead_in)))
+        out.placements.append(Placement(start, reader, exact=(i == 0 and follows_lead_in and chunk.kv_start == 0)))
     return out

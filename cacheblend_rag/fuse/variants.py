@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
+from ..ingest.chunks import Chunk
 from ..store import ChunkKV, KVKey, KVStore, LayerReader
+from .chunk_cache import part_of
 
 logger = logging.getLogger(__name__)
 
@@ -193,15 +195,16 @@ class VariantStore:
                 logger.info("skipping an unreadable variant row of chunk %s (%s)", chunk_id, e)
         return out
 
-    def reader(self, namespace: str, variant: Variant, token_ids: torch.Tensor) -> LayerReader | None:
-        """A reader of the variant's KV whose tokens are the chunk's; a variant whose KV is gone is forgotten."""
+    def reader(self, namespace: str, variant: Variant, chunk: Chunk) -> LayerReader | None:
+        """A reader of the variant's KV for the chunk's rows (the chunk's tokens, or the part a prompt placed); a
+        variant whose KV is gone is forgotten, one stored for other tokens (another part) is only passed over."""
         reader = self.store.reader(KVKey(namespace, variant.kv_id))
-        if reader is not None and torch.equal(reader.token_ids.cpu(), token_ids.cpu()):
+        if reader is None:
+            self.forget(namespace, variant)
+            return None
+        if torch.equal(reader.token_ids.cpu(), chunk.token_ids.cpu()):
             return reader
-        if reader is not None:
-            reader.close()
-        self.forget(namespace, variant)
-        return None
+        return part_of(reader, chunk)
 
     def total_nbytes(self, namespace: str) -> int:
         """Bytes of the namespace's variants (as recorded when stored)."""

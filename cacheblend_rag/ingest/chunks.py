@@ -34,16 +34,42 @@ def looks_like_chunk_id(value: str) -> bool:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A chunk of text with its id and its own token ids (no special tokens added)."""
+    """A chunk of text with its id and its own token ids (no special tokens added).
+
+    A *part* (`chunk.part(start, stop)`) is the run of the chunk's tokens that a prompt's own tokenization
+    reproduces, where a boundary token merged with the text around it: `token_ids` are that run, `kv_start`
+    where it starts in the stored KV, and `whole` the chunk it came from (what is computed and stored).
+    """
 
     chunk_id: str
     text: str
     token_ids: torch.Tensor  # (num_tokens,) int64
+    kv_start: int = 0
+    source: "Chunk | None" = None  # the whole chunk, for a part
 
     @property
     def num_tokens(self) -> int:
         """Number of tokens."""
         return int(self.token_ids.shape[0])
+
+    @property
+    def whole(self) -> "Chunk":
+        """The whole chunk (itself, unless this is a part)."""
+        return self.source if self.source is not None else self
+
+    @property
+    def is_part(self) -> bool:
+        """Whether this is a strict part of the chunk's tokens."""
+        return self.source is not None
+
+    def part(self, start: int, stop: int) -> "Chunk":
+        """Tokens [start, stop) of this (whole) chunk; itself when that is all of them."""
+        whole = self.whole
+        if not 0 <= start < stop <= whole.num_tokens:
+            raise ValueError(f"part {start}:{stop} is not inside chunk {whole.chunk_id} of {whole.num_tokens} tokens")
+        if (start, stop) == (0, whole.num_tokens):
+            return whole
+        return Chunk(whole.chunk_id, whole.text, whole.token_ids[start:stop], start, whole)
 
 
 def make_chunk(text: str, tokenizer) -> Chunk:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sqlite3
 import threading
 import unicodedata
@@ -29,6 +30,27 @@ def normalize_prompt(text: str) -> str:
     """The prompt as chunk texts are normalized (NFC, unix newlines, no trailing spaces on lines), ends kept."""
     text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
     return "\n".join(line.rstrip() for line in text.split("\n"))
+
+
+def normalize_prompt_map(text: str) -> tuple[str, list[int]]:
+    """`normalize_prompt(text)` and, for each of its characters, its index in `text` (text already NFC).
+
+    The scan runs on normalized text; the map takes what it found back to the user's own characters, where the
+    prompt is tokenized as the model would tokenize it.
+    """
+    out: list[str] = []
+    index: list[int] = []
+    for line in _LINE.finditer(text):
+        body = line.group(1).rstrip()
+        out.append(body)
+        index.extend(range(line.start(), line.start() + len(body)))
+        if line.group(2):
+            out.append("\n")
+            index.append(line.start(2))
+    return "".join(out), index
+
+
+_LINE = re.compile(r"([^\r\n]*)(\r\n|\r|\n|$)")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import ConfigError
 from .codecs import CODECS
-from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, ResidentReader, token_ids_digest
+from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, ResidentReader, SlicedReader, token_ids_digest
 from .disk import DiskReader, DiskStore
 from .memory import MemoryStore
 from .tiered import TieredStore
@@ -25,6 +25,7 @@ __all__ = [
     "MemoryStore",
     "RedisStore",
     "ResidentReader",
+    "SlicedReader",
     "TieredStore",
     "open_store",
     "token_ids_digest",

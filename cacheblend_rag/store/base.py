@@ -169,6 +169,41 @@ class ResidentReader:
         """Nothing to release."""
 
 
+class SlicedReader:
+    """Rows [start, stop) of another reader: the part of a stored chunk that a prompt's own tokenization
+    reproduces (its first or last token may have merged with the text around it)."""
+
+    def __init__(self, reader: LayerReader, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= reader.num_tokens:
+            raise ValueError(f"rows {start}:{stop} are not inside a reader of {reader.num_tokens} tokens")
+        self.reader = reader
+        self.start, self.stop = start, stop
+        self.key = reader.key
+        self.tier = reader.tier
+        self.token_ids = reader.token_ids[start:stop]
+        self.num_layers = reader.num_layers
+        self.layer_nbytes = reader.layer_nbytes  # a layer is read (and decoded) whole, then cut
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens of the part."""
+        return self.stop - self.start
+
+    @property
+    def bytes_read(self) -> int:
+        """Stored bytes read so far (whole layers)."""
+        return self.reader.bytes_read
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part's rows of one layer."""
+        k, v = self.reader.layer(layer)
+        return k[self.start:self.stop], v[self.start:self.stop]
+
+    def close(self) -> None:
+        """Close the whole reader."""
+        self.reader.close()
+
+
 @runtime_checkable
 class KVStore(Protocol):
     """A store of ChunkKV by KVKey. Implementations are thread-safe; a failing or corrupt entry is a miss."""

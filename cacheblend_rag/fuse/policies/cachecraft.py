@@ -208,7 +208,7 @@ class CacheCraft:
             plan = ChunkPlan(i, chunk, int(start), context, token_digest(token_ids[:start]))
             plans.append(plan)
             try:
-                self._choose(cache, variants, plan, alpha, first=(i == 0 and follows_lead_in),
+                self._choose(cache, variants, plan, alpha, first=(i == 0 and follows_lead_in and chunk.kv_start == 0),
                              last=(i == len(request.chunks) - 1))
             except BaseException:
                 out.close()  # the readers opened so far
@@ -249,7 +249,7 @@ class CacheCraft:
             if v.kv_id is None:
                 reader = cache.reader(chunk)
             else:
-                reader = variants.reader(cache.namespace, v, chunk.token_ids)
+                reader = variants.reader(cache.namespace, v, chunk)
             if reader is None:
                 continue
             if self.first_use == "full" and not in_context and not first and plan.context:
