@@ -156,11 +156,25 @@ def check_device(device: str) -> None:
                           f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--model`, `--revision` and `--trust-remote-code`: which model an engine loads."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model alias, local model folder or Hugging "
+                        f"Face hub id org/name, read from the HF cache (default {DEFAULT_MODEL}); use the same one "
+                        "for ingest and ask")
+    parser.add_argument("--revision", help="branch, tag or commit of a hub id (default: main)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run a hub repo's own modelling code "
+                        "(off by default: it is code from the repo's authors)")
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """The from_pretrained keywords the model arguments name."""
+    return {"revision": args.revision, "trust_remote_code": args.trust_remote_code}
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     """Options every data subcommand shares."""
     parser.add_argument("--home", help=f"package home (models, KV store, Chroma); overrides ${settings.ENV_HOME}")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model alias or local model folder "
-                        f"(default {DEFAULT_MODEL}); use the same one for ingest and ask")
+    add_model_arguments(parser)
     parser.add_argument("--collection", default=DEFAULT_COLLECTION, help="Chroma collection (3-512 characters)")
     parser.add_argument("--host", help="Chroma server host (default: the embedded database under --home)")
     parser.add_argument("--port", type=_positive_int, help="Chroma server port")
@@ -195,7 +209,7 @@ def _engine(args: argparse.Namespace):
     kv_store = open_store(kv_store_spec(args), memory_bytes=args.memory_budget,
                           codec=getattr(args, "kv_codec", "fp16"))
     return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
-                                            home=args.home)
+                                            home=args.home, **model_options(args))
 
 
 def _engine_and_store(args: argparse.Namespace, *, create: bool = True):
@@ -475,7 +489,7 @@ def _add_profile(subparsers) -> None:
                               description="Per-layer recompute time and read throughput of each storage tier, "
                               "as the loading controller (recompute_ratio='auto') uses them.")
     p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_arguments(p)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cache")
@@ -492,7 +506,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
-                                              dtype=args.dtype, home=args.home)
+                                              dtype=args.dtype, home=args.home, **model_options(args))
     compute, tiers = load_or_measure(engine, settings.kv_dir(args.home), remeasure=args.remeasure, home=args.home,
                                      strict=True)  # a tier that cannot be measured is an error here
     if args.json:
@@ -586,7 +600,7 @@ def _add_calibrate(subparsers) -> None:
     p.add_argument("--chunks", type=int, default=6, help="passages per request (default 6)")
     p.add_argument("--alphas", help="comma-separated alphas to try, ascending (default 0.1 to 2.0)")
     p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_arguments(p)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
@@ -616,7 +630,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     items = load_dataset(resolve_dataset(args.data), args.limit)
     # a private memory store: the calibration's requests must not leave variants in the user's KV store
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=None, device=args.device, dtype=args.dtype,
-                                              home=args.home)
+                                              home=args.home, **model_options(args))
     result = calibrate(engine, items, args.target_kl, alphas=alphas, num_chunks=args.chunks)
     path = None if args.dry_run else store_calibration(engine, result, args.home)
     if args.json:
