@@ -1,4 +1,4 @@
-"""Load a model + tokenizer: a packaged GGUF (converted once, cached), a local folder, or a Hugging Face hub id.
+"""Load a model + tokenizer: a packaged GGUF (converted once per machine), a local folder, or a Hugging Face hub id.
 
 A hub id (`org/name`, optional `revision`) is resolved as transformers resolves it: through huggingface_hub's
 cache (HF_HUB_CACHE / HF_HOME), downloading what is missing unless HF_HUB_OFFLINE=1 forbids it.
@@ -133,10 +133,14 @@ _HUB_CODE = ("*.py",)  # a repo's own modelling code, fetched only with trust_re
 
 
 def _converted_folder(alias: str, home: str | os.PathLike[str] | None) -> Path:
-    """The converted folder of a packaged GGUF under the home, converted on first use."""
+    """The converted folder of a packaged GGUF: one per machine (settings.models_dir), converted on first use."""
     gguf = _packaged_gguf(alias)
     # The file size keys the cache so an upgraded package is converted again.
-    target = settings.models_dir(home) / f"{gguf.stem}-{gguf.stat().st_size}"
+    key = f"{gguf.stem}-{gguf.stat().st_size}"
+    target = settings.models_dir() / key
+    legacy = settings.home_models_dir(home) / key  # converted by an older version into this home: reuse it
+    if not (target / "config.json").is_file() and (legacy / "config.json").is_file():
+        return legacy
     if not (target / "config.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         _convert_in_child(gguf, target)
