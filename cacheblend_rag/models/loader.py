@@ -158,28 +158,19 @@ def is_hub_id(name: str) -> bool:
     return True
 
 
-def hub_folder(repo_id: str, *, revision: str | None = None, cache_dir: str | os.PathLike[str] | None = None,
-               trust_remote_code: bool = False) -> Path:
-    """The snapshot folder of a hub model, resolved through huggingface_hub's cache; downloads what is missing
-    unless offline (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1), which raises ModelNotCachedError instead."""
+def _hub_snapshot(repo_id: str, allow: list[str], *, revision: str | None,
+                  cache_dir: str | os.PathLike[str] | None) -> Path:
+    """snapshot_download of the files matching `allow`, its errors turned into ones that say what to do."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
     from huggingface_hub.file_download import repo_folder_name
 
-    offline = constants.is_offline_mode()
+    offline = constants.is_offline_mode()  # HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, as transformers reads them
     cache = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
-    where = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
     named = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
-    patterns = list(_HUB_FILES) + (list(_HUB_CODE) if trust_remote_code else [])
-
-    def snapshot(allow: list[str]) -> Path:
+    try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
                                       allow_patterns=allow))
-
-    try:
-        folder = snapshot(patterns)
-        if not any(folder.glob("*.safetensors")):
-            folder = snapshot(patterns + list(_HUB_LEGACY_WEIGHTS))
     except RevisionNotFoundError as e:
         raise ModelNotFoundError(f"model {repo_id!r} has no revision {revision!r} on the hub; give a branch, "
                                  "tag or commit the repo has") from e
@@ -187,6 +178,7 @@ def hub_folder(repo_id: str, *, revision: str | None = None, cache_dir: str | os
         raise ModelNotFoundError(f"model {repo_id!r} is not on the hub, or is private or gated: check the id, "
                                  "or log in (`hf auth login`, or set HF_TOKEN) with an account that may read it") from e
     except LocalEntryNotFoundError as e:
+        where = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
         if offline:
             raise ModelNotCachedError(
                 f"model {named} is not in the Hugging Face cache ({where}) and HF_HUB_OFFLINE=1 forbids downloading "
@@ -194,12 +186,50 @@ def hub_folder(repo_id: str, *, revision: str | None = None, cache_dir: str | os
                 "HF_HUB_CACHE or HF_HOME at the cache that holds it, or pass a local model folder") from e
         raise ModelNotCachedError(f"model {named} could not be downloaded and is not in the Hugging Face cache "
                                   f"({where}): check the network, or pass a local model folder ({e})") from e
+
+
+def hub_folder(repo_id: str, *, revision: str | None = None, cache_dir: str | os.PathLike[str] | None = None,
+               trust_remote_code: bool = False) -> Path:
+    """The snapshot folder of a hub model, resolved through huggingface_hub's cache; downloads what is missing
+    unless offline (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1), which raises ModelNotCachedError instead."""
+    named = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    patterns = list(_HUB_FILES) + (list(_HUB_CODE) if trust_remote_code else [])
+    folder = _hub_snapshot(repo_id, patterns, revision=revision, cache_dir=cache_dir)
+    if not any(folder.glob("*.safetensors")):
+        folder = _hub_snapshot(repo_id, patterns + list(_HUB_LEGACY_WEIGHTS), revision=revision, cache_dir=cache_dir)
     if not (folder / "config.json").is_file():
         raise ModelNotFoundError(f"model {named} has no config.json in {folder}: it is not a transformers model")
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ModelNotFoundError(f"model {named} has no weights (*.safetensors or *.bin) in {folder}; "
-                                 "download it again (`hf download " + repo_id + "`)")
+                                 f"download it again (`hf download {repo_id}`)")
     return folder
+
+
+def load_config_and_tokenizer(
+    name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
+    home: str | os.PathLike[str] | None = None,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    trust_remote_code: bool = False,
+    tokenizer: bool = False,
+):
+    """(config, tokenizer or None) of a model without its weights: a hub id fetches only its config (and tokenizer)
+    files, so a user can size an 8B model's KV before downloading 16 GB."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    if name not in PACKAGED_GGUF and not (path / "config.json").is_file() and not path.exists() and is_hub_id(name):
+        allow = [p for p in _HUB_FILES if p != "*.safetensors"] if tokenizer else ["config.json"]
+        folder = _hub_snapshot(name, allow + (list(_HUB_CODE) if trust_remote_code else []), revision=revision,
+                               cache_dir=cache_dir)
+    else:
+        folder = model_folder(name, home, revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                        trust_remote_code=trust_remote_code) if tokenizer else None
+    return config, tok
 
 
 def model_folder(
