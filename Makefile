@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export ANONYMIZED_TELEMETRY := False
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,17 @@ test: install
 
 bench: install
 	$(VENV)/bin/cacheblend-rag bench --limit 20 --out bench-results
+
+# The CUDA path: the `gpu` tests (each skips without a GPU), then a short bench on the GPU when torch sees one.
+# `make install` puts a CPU torch in .venv: on a GPU machine install a CUDA build into it first, e.g.
+# .venv/bin/python -m pip install torch --index-url https://download.pytorch.org/whl/cu124
+gpu-check: install
+	$(PY) -m pytest -m gpu -rs tests/test_gpu.py
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(VENV)/bin/cacheblend-rag bench --limit 10 --device cuda --out bench-results-gpu; \
+	else \
+		echo "gpu-check: torch sees no CUDA GPU here, so the gpu tests skipped and the bench did not run"; \
+	fi
 
 clean:
 	rm -rf $(VENV) *.egg-info

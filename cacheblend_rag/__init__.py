@@ -7,6 +7,7 @@ from .errors import (
     ChunkError,
     ConfigError,
     MissingDependencyError,
+    ModelNotCachedError,
     ModelNotFoundError,
     PromptTooLongError,
     UnsupportedModelError,
@@ -19,7 +20,7 @@ from .models.loader import DEFAULT_MODEL, load_model
 __all__ = [
     "DEFAULT_MODEL", "METHODS", "CacheBlend", "CacheBlendEngine", "CacheBlendError", "CacheFormatError", "Chunk",
     "ChunkError", "ConfigError", "FullPrefill", "FullReuse", "Generation", "MissingDependencyError",
-    "ModelNotFoundError", "Prefill", "PrefixCache", "PromptTemplate", "PromptTooLongError",
+    "ModelNotCachedError", "ModelNotFoundError", "Prefill", "PrefixCache", "PromptTemplate", "PromptTooLongError",
     "UnsupportedModelError", "chunk_id", "load_model", "make_policy",
 ]
 __version__ = "0.1.0"

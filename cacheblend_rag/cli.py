@@ -156,11 +156,25 @@ def check_device(device: str) -> None:
                           f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--model`, `--revision` and `--trust-remote-code`: which model an engine loads."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model alias, local model folder or Hugging "
+                        f"Face hub id org/name, read from the HF cache (default {DEFAULT_MODEL}); use the same one "
+                        "for ingest and ask")
+    parser.add_argument("--revision", help="branch, tag or commit of a hub id (default: main)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run a hub repo's own modelling code "
+                        "(off by default: it is code from the repo's authors)")
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """The from_pretrained keywords the model arguments name."""
+    return {"revision": args.revision, "trust_remote_code": args.trust_remote_code}
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     """Options every data subcommand shares."""
     parser.add_argument("--home", help=f"package home (models, KV store, Chroma); overrides ${settings.ENV_HOME}")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="packaged model alias or local model folder "
-                        f"(default {DEFAULT_MODEL}); use the same one for ingest and ask")
+    add_model_arguments(parser)
     parser.add_argument("--collection", default=DEFAULT_COLLECTION, help="Chroma collection (3-512 characters)")
     parser.add_argument("--host", help="Chroma server host (default: the embedded database under --home)")
     parser.add_argument("--port", type=_positive_int, help="Chroma server port")
@@ -195,7 +209,7 @@ def _engine(args: argparse.Namespace):
     kv_store = open_store(kv_store_spec(args), memory_bytes=args.memory_budget,
                           codec=getattr(args, "kv_codec", "fp16"))
     return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
-                                            home=args.home)
+                                            home=args.home, **model_options(args))
 
 
 def _engine_and_store(args: argparse.Namespace, *, create: bool = True):
@@ -475,7 +489,7 @@ def _add_profile(subparsers) -> None:
                               description="Per-layer recompute time and read throughput of each storage tier, "
                               "as the loading controller (recompute_ratio='auto') uses them.")
     p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_arguments(p)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cache")
@@ -492,7 +506,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=settings.kv_dir(args.home), device=args.device,
-                                              dtype=args.dtype, home=args.home)
+                                              dtype=args.dtype, home=args.home, **model_options(args))
     compute, tiers = load_or_measure(engine, settings.kv_dir(args.home), remeasure=args.remeasure, home=args.home,
                                      strict=True)  # a tier that cannot be measured is an error here
     if args.json:
@@ -530,8 +544,120 @@ def _print_codec_choice(engine, compute, tiers) -> None:
         print(f"KV on {name}: {choice.codec} (ms per fp16 MB: {costs})")
 
 
+# ---- plan ---------------------------------------------------------------------------------
+
+PLAN_CODECS = ("fp16", "int8", "cachegen")
+
+
+def _add_plan(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="size a corpus's KV for a model before ingesting it (per codec, per tier)",
+                              description="KV bytes per token and per chunk for the model (from its config: layers "
+                              "x KV heads x head dims x 2 bytes for fp16), for each codec, the corpus's total and how "
+                              "many chunks fit each tier's budget. Reads only the config (and, with --corpus, the "
+                              "tokenizer): a hub model's weights are not downloaded.")
+    p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
+    add_model_arguments(p)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--tokens", type=_positive_int, metavar="N", help="the corpus's size in model tokens")
+    size.add_argument("--corpus", nargs="+", metavar="PATH", help="files or folders to size: read and split as "
+                      "ingest would, counted with the model's tokenizer (nothing is stored)")
+    p.add_argument("--chunk-tokens", type=_chunk_tokens, default=512, help="chunk size in model tokens (default 512)")
+    p.add_argument("--memory-budget", type=parse_size, default=DEFAULT_MEMORY_BUDGET, metavar="SIZE",
+                   help=f"the memory tier's budget (default {DEFAULT_MEMORY_BUDGET}, as ingest and ask)")
+    p.add_argument("--disk-budget", type=parse_size, default=None, metavar="SIZE",
+                   help="the disk tier's LRU budget (default 20GiB, open_store's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run_plan)
+
+
+def _corpus_chunk_tokens(paths: list[str], tokenizer, chunk_tokens: int) -> list[int]:
+    """Token counts of the chunks ingest would make of these files (read and split, nothing stored)."""
+    from .retrieval.loaders import load_paths_report, split_texts
+
+    for path in paths:
+        if not os.path.lexists(os.path.expanduser(path)):
+            raise ConfigError(f"{path}: no such file or folder")
+    loaded = load_paths_report([os.path.expanduser(p) for p in paths])
+    _print_skipped(loaded.skipped)
+    records = split_texts(loaded.texts, tokenizer, chunk_tokens=chunk_tokens)
+    return [len(tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in records]
+
+
+def plan_figures(layout, *, chunk_tokens: int, corpus_chunks: list[int] | None, memory_budget: int,
+                 disk_budget: int) -> dict:
+    """Per codec: KV bytes per token, per full chunk, the corpus's total, and the chunks each tier holds."""
+    from dataclasses import asdict
+
+    from .store.sizing import CODEC_NOTES, TOKEN_ID_BYTES, chunk_bytes, chunks_that_fit, kv_bytes_per_token
+
+    codecs = {}
+    for codec in PLAN_CODECS:
+        per_chunk = chunk_bytes(layout, codec, chunk_tokens)
+        row = {"kv_bytes_per_token": kv_bytes_per_token(layout, codec), "chunk_bytes": per_chunk,
+               "note": CODEC_NOTES[codec], "disk_chunks": chunks_that_fit(disk_budget, per_chunk)}
+        if corpus_chunks is not None:
+            row["corpus_bytes"] = sum(chunk_bytes(layout, codec, n) for n in corpus_chunks)
+        codecs[codec] = row
+    # The memory tier holds KV as computed (bf16/fp16: the fp16 size, without token ids; fp32 doubles it).
+    in_memory = kv_bytes_per_token(layout, "fp16") * chunk_tokens
+    return {"layout": asdict(layout), "chunk_tokens": chunk_tokens, "token_id_bytes": TOKEN_ID_BYTES,
+            "corpus": None if corpus_chunks is None else {"chunks": len(corpus_chunks), "tokens": sum(corpus_chunks)},
+            "codecs": codecs, "memory": {"budget_bytes": memory_budget, "chunk_bytes": in_memory,
+                                         "chunks": chunks_that_fit(memory_budget, in_memory)},
+            "disk": {"budget_bytes": disk_budget}}
+
+
+def _bytes(n: float) -> str:
+    """A byte count in binary units, 3 significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .models.loader import load_config_and_tokenizer
+    from .store import DEFAULT_DISK_BYTES
+    from .store.sizing import KVLayout
+
+    config, tokenizer = load_config_and_tokenizer(args.model, args.home, tokenizer=args.corpus is not None,
+                                                  **model_options(args))
+    layout = KVLayout.from_config(config)
+    corpus = None
+    if args.corpus is not None:
+        corpus = _corpus_chunk_tokens(args.corpus, tokenizer, args.chunk_tokens)
+    elif args.tokens is not None:
+        full, rest = divmod(args.tokens, args.chunk_tokens)
+        corpus = [args.chunk_tokens] * full + ([rest] if rest else [])
+    disk_budget = DEFAULT_DISK_BYTES if args.disk_budget is None else args.disk_budget
+    figures = plan_figures(layout, chunk_tokens=args.chunk_tokens, corpus_chunks=corpus,
+                           memory_budget=args.memory_budget, disk_budget=disk_budget)
+    if args.json:
+        print(json.dumps({"model": args.model, **figures}))
+        return 0
+    n = args.chunk_tokens
+    print(f"model {args.model}: {layout.num_layers} layers x {layout.num_kv_heads} KV heads x head_dim "
+          f"{layout.head_dim} (keys and values)")
+    if figures["corpus"] is not None:
+        print(f"corpus: {figures['corpus']['chunks']:,} chunks, {figures['corpus']['tokens']:,} tokens "
+              f"(chunks of at most {n} tokens)")
+    print(f"{'codec':<9} {'KV/token':>11} {f'per {n}-token chunk':>20} {'corpus':>11} {'chunks in disk budget':>22}")
+    for codec, row in figures["codecs"].items():
+        mark = "~" if codec == "cachegen" else ""  # an estimate
+        total = mark + _bytes(row["corpus_bytes"]) if "corpus_bytes" in row else "-"
+        print(f"{codec:<9} {mark + _bytes(row['kv_bytes_per_token']):>11} {mark + _bytes(row['chunk_bytes']):>20} "
+              f"{total:>11} {mark + format(row['disk_chunks'], ','):>22}  {row['note']}")
+    mem = figures["memory"]
+    print(f"chunks on disk add their token ids ({figures['token_id_bytes']} B/token) and a header of a few KiB; "
+          f"disk budget {_bytes(disk_budget)} (--disk-budget)")
+    print(f"memory tier: {_bytes(mem['budget_bytes'])} holds {mem['chunks']:,} chunks of {n} tokens "
+          f"({_bytes(mem['chunk_bytes'])} each in bf16/fp16; fp32 halves the count)")
+    return 0
+
+
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ingest, _add_ask, _add_profile, _add_delete,
-                                                                  _add_prune]
+                                                                  _add_prune, _add_plan]
 """Subcommand registrars, in help order; append one to add a subcommand (e.g. bench)."""
 
 
@@ -586,7 +712,7 @@ def _add_calibrate(subparsers) -> None:
     p.add_argument("--chunks", type=int, default=6, help="passages per request (default 6)")
     p.add_argument("--alphas", help="comma-separated alphas to try, ascending (default 0.1 to 2.0)")
     p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_arguments(p)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
@@ -616,7 +742,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     items = load_dataset(resolve_dataset(args.data), args.limit)
     # a private memory store: the calibration's requests must not leave variants in the user's KV store
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=None, device=args.device, dtype=args.dtype,
-                                              home=args.home)
+                                              home=args.home, **model_options(args))
     result = calibrate(engine, items, args.target_kl, alphas=alphas, num_chunks=args.chunks)
     path = None if args.dry_run else store_calibration(engine, result, args.home)
     if args.json:

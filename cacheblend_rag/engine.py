@@ -149,11 +149,16 @@ class CacheBlendEngine:
         dtype: str | torch.dtype = "auto",
         home: str | os.PathLike[str] | None = None,
         kv_codec: str = "fp16",
+        revision: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        trust_remote_code: bool = False,
         **kwargs,
     ) -> "CacheBlendEngine":
-        """Load a packaged or local model offline and build an engine on it (kv_codec: how a disk store codes KV)."""
+        """Load a packaged model, a local folder or a hub id (`org/name`, at `revision`, through the Hugging Face
+        cache as transformers does) and build an engine on it (kv_codec: how a disk store codes KV)."""
         _check_kv_codec(kv_codec, kv_store)  # before loading the model
-        model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, home=home)
+        model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, home=home, revision=revision,
+                                      cache_dir=cache_dir, trust_remote_code=trust_remote_code)
         kwargs.setdefault("model_name", str(name_or_path))
         return cls(model, tokenizer, kv_store, home=home, kv_codec=kv_codec, **kwargs)
 

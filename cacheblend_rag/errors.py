@@ -19,6 +19,10 @@ class ModelNotFoundError(CacheBlendError, FileNotFoundError):
     """A model name or path could not be resolved locally."""
 
 
+class ModelNotCachedError(ModelNotFoundError):
+    """A hub model id is not in the Hugging Face cache and cannot be downloaded (offline, or the hub unreachable)."""
+
+
 class ChunkError(CacheBlendError, ValueError):
     """A chunk is empty, unknown, or otherwise unusable."""
 

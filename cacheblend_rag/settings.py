@@ -9,7 +9,7 @@ ENV_HOME = "CACHEBLEND_RAG_HOME"
 
 
 def home_dir(override: str | os.PathLike[str] | None = None) -> Path:
-    """The package home: converted models, the KV store and Chroma live below it."""
+    """The package home: the KV store, Chroma and the profiles live below it (converted models: `models_dir`)."""
     if override is not None:
         return Path(override).expanduser()
     env = os.environ.get(ENV_HOME)
@@ -18,8 +18,20 @@ def home_dir(override: str | os.PathLike[str] | None = None) -> Path:
     return Path("~/.cache/cacheblend-rag").expanduser()
 
 
-def models_dir(home: str | os.PathLike[str] | None = None) -> Path:
-    """Where converted models (safetensors + tokenizer) are cached."""
+ENV_MODELS = "CACHEBLEND_RAG_MODELS"
+
+
+def models_dir() -> Path:
+    """Where converted models (safetensors + tokenizer) are cached: one folder per machine, shared by every home
+    (a conversion takes ~30 s and ~0.5 GB), $CACHEBLEND_RAG_MODELS overriding ~/.cache/cacheblend-rag/models."""
+    env = os.environ.get(ENV_MODELS)
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/cacheblend-rag/models").expanduser()
+
+
+def home_models_dir(home: str | os.PathLike[str] | None = None) -> Path:
+    """Where converted models lived before they were shared (a home's own `models/`); still read, never written."""
     return home_dir(home) / "models"
 
 

@@ -65,6 +65,9 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, **overrides):
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 16}),
+        # half of each head rotated, as Phi-4-mini's partial_rotary_factor 0.75 leaves part of it unrotated
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {"partial_rotary_factor": 0.5, "sliding_window": None,
+                                                     "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),
     }
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(seed)
@@ -78,7 +81,7 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, **overrides):
     return model
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @pytest.fixture(params=ARCHS)

@@ -192,7 +192,7 @@ def test_profile_command_on_a_full_disk_prints_an_error(small_fs, tmp_path, caps
 
     home = tmp_path / "home"
     home.mkdir()
-    (home / "models").symlink_to(settings.models_dir(None))  # the converted model, shared
+    (home / "models").symlink_to(settings.models_dir())  # the converted model, shared
     (home / "kv").symlink_to(small_fs)  # the KV folder is on the small file system
     code = cli_main(["profile", "--remeasure", "--home", str(home), "--dtype", "float32"])
     err = capsys.readouterr().err.splitlines()[-1]  # after the weights' progress bar

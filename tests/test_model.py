@@ -31,15 +31,37 @@ def test_default_model_loads_offline_from_the_converted_cache(default_model):
     print(f"cached load in a fresh process: {done.stdout.strip()} s")
 
 
-def test_the_packaged_gguf_converts_in_a_child_process(tmp_path):
-    """A fresh home converts the GGUF out of process: its dequantization heap never inflates this process."""
-    code = ("import sys; from cacheblend_rag.models.loader import model_folder; "
+@pytest.mark.slow
+def test_the_packaged_gguf_converts_once_per_machine_in_a_child_process(tmp_path):
+    """Two fresh homes, one conversion into the shared models cache, done out of process: its dequantization heap
+    never inflates the caller, and no home gets a copy."""
+    code = ("import sys, logging; logging.basicConfig(level=logging.INFO); "
+            "from cacheblend_rag.models.loader import model_folder; "
             "folder = model_folder('smollm2-135m', home=sys.argv[1]); "
             "assert (folder / 'config.json').is_file() and (folder / 'model.safetensors').is_file(); "
-            "assert 'gguf' not in sys.modules, 'the GGUF was read in this process'")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
+            "assert 'gguf' not in sys.modules, 'the GGUF was read in this process'; print(folder)")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CACHEBLEND_RAG_MODELS=str(tmp_path / "models"))
+    runs = [subprocess.run([sys.executable, "-c", code, str(tmp_path / home)], capture_output=True, text=True,
+                           timeout=900, env=env) for home in ("home-a", "home-b")]
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith(str(tmp_path / "models"))
+    assert "converting" in runs[0].stderr and "converting" not in runs[1].stderr
+    assert not (tmp_path / "home-a" / "models").exists() and not (tmp_path / "home-b" / "models").exists()
     assert not any(p.name.startswith(".") for p in (tmp_path / "models").iterdir())  # no temp folder left
+
+
+def test_a_home_converted_before_the_shared_cache_is_reused(tmp_path, monkeypatch, default_model):
+    """A home whose own models/ holds the conversion (older versions wrote it there) is not converted again."""
+    from cacheblend_rag import settings
+
+    converted = model_folder("smollm2-135m")
+    home = tmp_path / "old-home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / converted.name).symlink_to(converted, target_is_directory=True)
+    monkeypatch.setenv(settings.ENV_MODELS, str(tmp_path / "empty-shared-cache"))
+    assert model_folder("smollm2-135m", home=home) == home / "models" / converted.name
+    assert not (tmp_path / "empty-shared-cache").exists()
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

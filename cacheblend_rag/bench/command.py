@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of the chain methods")
 
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default="smollm2-135m", help="packaged model alias or local model folder")
+    engine.add_argument("--model", default="smollm2-135m", help="packaged model alias, local model folder or hub id org/name")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     engine.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     engine.add_argument("--lead-in", default="prefix", choices=("prefix", "bos", "none"), help="chunk KV lead-in")

@@ -171,7 +171,7 @@ class Cluster:
         self.served = served_name(model)  # what clients send as `model`
         self.redis = RedisServer(self.workdir).start()
         model_folder(model, home)  # converted once; every replica's home links to these models
-        models = settings.models_dir(home)
+        models = settings.models_dir()
         self.replicas: dict[str, Replica] = {}
         for name in ("a", "b"):
             self.replicas[name] = self._replica(name, models)
@@ -490,7 +490,7 @@ def run(items: list[tuple[str, list[str]]], *, model: str, home: str | None, sce
     """Every scenario, the references, the summaries."""
     from .. import settings
 
-    models = settings.models_dir(home)
+    models = settings.models_dir()
     with tempfile.TemporaryDirectory(prefix="cacheblend-faults-", dir=workdir) as tmp:
         cluster = Cluster(Path(tmp), model, home)
         try:

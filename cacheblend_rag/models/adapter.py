@@ -71,9 +71,11 @@ class LlamaFamilyAdapter:
             return self._packed is not None
         with self._packing_lock:
             if not self._packing_tried:
-                self._packed = pack_layers(self._layers, self.model.lm_head)
+                self._packed = pack_layers(self._layers, self.model.lm_head, self.pack_layer)
                 self._packing_tried = True
         return self._packed is not None
+
+    pack_layer = staticmethod(PackedLayer.of_llama)  # how `packed()` packs one decoder block
 
     def project_qkv(self, layer: int, hidden: torch.Tensor,
                     packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,11 +144,56 @@ class Qwen3Adapter(LlamaFamilyAdapter):
         return attn.q_norm(q), attn.k_norm(k), v
 
 
+class Phi3Adapter(MistralAdapter):
+    """Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, RoPE on the first `partial_rotary_factor` of each head
+    (long RoPE is the HF rotary module's), the config's sliding window on every layer as Mistral."""
+
+    pack_layer = staticmethod(PackedLayer.of_fused)
+
+    def _check_structure(self) -> None:
+        block = self._layers[0]
+        for module, name in ((block.self_attn, "qkv_proj"), (block.self_attn, "o_proj"),
+                             (block.mlp, "gate_up_proj"), (block.mlp, "down_proj")):
+            if not hasattr(module, name):
+                raise UnsupportedModelError(f"{type(self.model).__name__}: {type(module).__name__} has no {name}")
+
+    def project_qkv(self, layer: int, hidden: torch.Tensor,
+                    packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm, then the one fused projection split into q | k | v (Phi3Attention's order)."""
+        block = self._layers[layer]
+        x = block.input_layernorm(hidden)
+        qkv = self._packed[0][layer].qkv(x) if packed else block.self_attn.qkv_proj(x)
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        return (q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim),
+                v.reshape(-1, self.num_kv_heads, self.head_dim))
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the first cos.shape[-1] dims of each head, pass the rest through (partial rotary)."""
+        rotary_dim = cos.shape[-1]
+        if rotary_dim == x.shape[-1]:
+            return apply_rope(x, cos, sin)
+        return torch.cat([apply_rope(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor,
+                     packed: bool = False) -> torch.Tensor:
+        """o_proj + residual, then post-attention norm + the fused gate|up MLP + residual (Phi3MLP's formula)."""
+        block = self._layers[layer]
+        flat = attn_out.reshape(attn_out.shape[0], -1)
+        weights = self._packed[0][layer] if packed else None
+        hidden = hidden + (weights.o(flat) if packed else block.self_attn.o_proj(flat))
+        x = block.post_attention_layernorm(hidden)
+        gate, up = (weights.gate_up(x) if packed else block.mlp.gate_up_proj(x)).chunk(2, dim=-1)
+        down = weights.down if packed else block.mlp.down_proj
+        return hidden + down(up * block.mlp.activation_fn(gate))
+
+
 ADAPTERS: dict[str, type[LlamaFamilyAdapter]] = {
     "llama": LlamaFamilyAdapter,
     "mistral": MistralAdapter,
     "qwen2": LlamaFamilyAdapter,
     "qwen3": Qwen3Adapter,
+    "phi3": Phi3Adapter,
 }
 
 

@@ -1,4 +1,8 @@
-"""Load a model + tokenizer fully offline: the packaged SmolLM2 GGUF (converted once, cached) or a local folder."""
+"""Load a model + tokenizer: a packaged GGUF (converted once per machine), a local folder, or a Hugging Face hub id.
+
+A hub id (`org/name`, optional `revision`) is resolved as transformers resolves it: through huggingface_hub's
+cache (HF_HUB_CACHE / HF_HOME), downloading what is missing unless HF_HUB_OFFLINE=1 forbids it.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import settings
-from ..errors import ConfigError, ModelNotFoundError
+from ..errors import ConfigError, ModelNotCachedError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -121,25 +125,140 @@ def _convert_in_child(gguf: Path, target: Path) -> None:
         raise ModelNotFoundError(f"converting {gguf.name} into {target} failed (exit {done.returncode}): {tail}")
 
 
-def model_folder(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL, home: str | os.PathLike[str] | None = None) -> Path:
-    """The local folder of a model: a packaged alias (converted and cached on first use) or a path."""
+# What transformers reads from a model repo (configs, tokenizer files, chat templates, safetensors weights): a
+# snapshot of only these skips the GGUF, ONNX and original/ checkpoints many repos also carry.
+_HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+_HUB_LEGACY_WEIGHTS = ("*.bin",)  # fetched only for a repo without safetensors, as transformers falls back to them
+_HUB_CODE = ("*.py",)  # a repo's own modelling code, fetched only with trust_remote_code
+
+
+def _converted_folder(alias: str, home: str | os.PathLike[str] | None) -> Path:
+    """The converted folder of a packaged GGUF: one per machine (settings.models_dir), converted on first use."""
+    gguf = _packaged_gguf(alias)
+    # The file size keys the cache so an upgraded package is converted again.
+    key = f"{gguf.stem}-{gguf.stat().st_size}"
+    target = settings.models_dir() / key
+    legacy = settings.home_models_dir(home) / key  # converted by an older version into this home: reuse it
+    if not (target / "config.json").is_file() and (legacy / "config.json").is_file():
+        return legacy
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _convert_in_child(gguf, target)
+    return target
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` has the form of a hub model id (`name` or `org/name`), as huggingface_hub validates it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_snapshot(repo_id: str, allow: list[str], *, revision: str | None,
+                  cache_dir: str | os.PathLike[str] | None) -> Path:
+    """snapshot_download of the files matching `allow`, its errors turned into ones that say what to do."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
+
+    offline = constants.is_offline_mode()  # HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, as transformers reads them
+    cache = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
+    named = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
+                                      allow_patterns=allow))
+    except RevisionNotFoundError as e:
+        raise ModelNotFoundError(f"model {repo_id!r} has no revision {revision!r} on the hub; give a branch, "
+                                 "tag or commit the repo has") from e
+    except RepositoryNotFoundError as e:  # also a gated or private repo without a token
+        raise ModelNotFoundError(f"model {repo_id!r} is not on the hub, or is private or gated: check the id, "
+                                 "or log in (`hf auth login`, or set HF_TOKEN) with an account that may read it") from e
+    except LocalEntryNotFoundError as e:
+        where = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+        if offline:
+            raise ModelNotCachedError(
+                f"model {named} is not in the Hugging Face cache ({where}) and HF_HUB_OFFLINE=1 forbids downloading "
+                f"it: download it once online (`hf download {repo_id}`, or unset HF_HUB_OFFLINE), point "
+                "HF_HUB_CACHE or HF_HOME at the cache that holds it, or pass a local model folder") from e
+        raise ModelNotCachedError(f"model {named} could not be downloaded and is not in the Hugging Face cache "
+                                  f"({where}): check the network, or pass a local model folder ({e})") from e
+
+
+def hub_folder(repo_id: str, *, revision: str | None = None, cache_dir: str | os.PathLike[str] | None = None,
+               trust_remote_code: bool = False) -> Path:
+    """The snapshot folder of a hub model, resolved through huggingface_hub's cache; downloads what is missing
+    unless offline (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1), which raises ModelNotCachedError instead."""
+    named = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
+    patterns = list(_HUB_FILES) + (list(_HUB_CODE) if trust_remote_code else [])
+    folder = _hub_snapshot(repo_id, patterns, revision=revision, cache_dir=cache_dir)
+    if not any(folder.glob("*.safetensors")):
+        folder = _hub_snapshot(repo_id, patterns + list(_HUB_LEGACY_WEIGHTS), revision=revision, cache_dir=cache_dir)
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"model {named} has no config.json in {folder}: it is not a transformers model")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ModelNotFoundError(f"model {named} has no weights (*.safetensors or *.bin) in {folder}; "
+                                 f"download it again (`hf download {repo_id}`)")
+    return folder
+
+
+def load_config_and_tokenizer(
+    name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
+    home: str | os.PathLike[str] | None = None,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    trust_remote_code: bool = False,
+    tokenizer: bool = False,
+):
+    """(config, tokenizer or None) of a model without its weights: a hub id fetches only its config (and tokenizer)
+    files, so a user can size an 8B model's KV before downloading 16 GB."""
+    from transformers import AutoConfig, AutoTokenizer
+
     name = str(name_or_path)
-    if name in PACKAGED_GGUF:
-        gguf = _packaged_gguf(name)
-        # The file size keys the cache so an upgraded package is converted again.
-        target = settings.models_dir(home) / f"{gguf.stem}-{gguf.stat().st_size}"
-        if not (target / "config.json").is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _convert_in_child(gguf, target)
-        return target
     path = Path(name).expanduser()
-    if not (path / "config.json").is_file():
-        known = ", ".join(sorted(PACKAGED_GGUF))
-        raise ModelNotFoundError(
-            f"model {name!r} is neither a packaged model ({known}) nor a local folder with config.json; "
-            "nothing is downloaded from a hub"
-        )
-    return path
+    if name not in PACKAGED_GGUF and not (path / "config.json").is_file() and not path.exists() and is_hub_id(name):
+        allow = [p for p in _HUB_FILES if p != "*.safetensors"] if tokenizer else ["config.json"]
+        folder = _hub_snapshot(name, allow + (list(_HUB_CODE) if trust_remote_code else []), revision=revision,
+                               cache_dir=cache_dir)
+    else:
+        folder = model_folder(name, home, revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                        trust_remote_code=trust_remote_code) if tokenizer else None
+    return config, tok
+
+
+def model_folder(
+    name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
+    home: str | os.PathLike[str] | None = None,
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    trust_remote_code: bool = False,
+) -> Path:
+    """The local folder of a model: a packaged alias (converted and cached on first use), a folder with config.json,
+    or a hub id's snapshot in the Hugging Face cache (see hub_folder)."""
+    name = str(name_or_path)
+    path = Path(name).expanduser()
+    local = name in PACKAGED_GGUF or (path / "config.json").is_file()
+    if revision is not None and local:
+        raise ConfigError(f"revision={revision!r} applies to hub ids; {name!r} is a packaged model or a local folder")
+    if name in PACKAGED_GGUF:
+        return _converted_folder(name, home)
+    if (path / "config.json").is_file():
+        return path
+    if not path.exists() and is_hub_id(name):
+        return hub_folder(name, revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
+    known = ", ".join(sorted(PACKAGED_GGUF))
+    what = "a folder without config.json" if path.is_dir() else "not a hub id (org/name)"
+    raise ModelNotFoundError(
+        f"model {name!r} is neither a packaged model ({known}), a local folder with config.json nor a Hugging Face "
+        f"hub id: it is {what}"
+    )
 
 
 def load_model(
@@ -148,16 +267,22 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     home: str | os.PathLike[str] | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    trust_remote_code: bool = False,
 ):
-    """Load (model, tokenizer) from local files only, in eval mode on the chosen device and dtype."""
+    """Load (model, tokenizer) in eval mode on the chosen device and dtype, from the folder `model_folder` resolves
+    (a hub id's snapshot included); trust_remote_code runs a repo's own modelling code, so it is off unless asked."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = model_folder(name_or_path, home)
+    folder = model_folder(name_or_path, home, revision=revision, cache_dir=cache_dir,
+                          trust_remote_code=trust_remote_code)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, local_files_only=True,
+                                                 trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     model.to(dev).eval()
-    logger.info("loaded %s (%s, %s) in %.1f s", folder.name, dev, dt, time.perf_counter() - started)
+    logger.info("loaded %s (%s, %s) in %.1f s", name_or_path, dev, dt, time.perf_counter() - started)
     return model, tokenizer

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -72,22 +73,33 @@ class PackedLinear:
 class PackedLayer:
     """A decoder layer's attention and MLP weights, packed: qkv (fused), o, gate_up (fused), down."""
 
-    def __init__(self, block) -> None:
+    def __init__(self, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear) -> None:
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+
+    @classmethod
+    def of_llama(cls, block) -> "PackedLayer":
+        """Llama-style separate q/k/v and gate/up projections, fused here."""
         attn, mlp = block.self_attn, block.mlp
-        self.qkv = PackedLinear.of(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o = PackedLinear.of(attn.o_proj)
-        self.gate_up = PackedLinear.of(mlp.gate_proj, mlp.up_proj)
-        self.down = PackedLinear.of(mlp.down_proj)
+        return cls(PackedLinear.of(attn.q_proj, attn.k_proj, attn.v_proj), PackedLinear.of(attn.o_proj),
+                   PackedLinear.of(mlp.gate_proj, mlp.up_proj), PackedLinear.of(mlp.down_proj))
+
+    @classmethod
+    def of_fused(cls, block) -> "PackedLayer":
+        """Projections the model already fuses (Phi-3's qkv_proj and gate_up_proj): one matrix each."""
+        attn, mlp = block.self_attn, block.mlp
+        return cls(PackedLinear.of(attn.qkv_proj), PackedLinear.of(attn.o_proj), PackedLinear.of(mlp.gate_up_proj),
+                   PackedLinear.of(mlp.down_proj))
 
 
-def pack_layers(layers, lm_head) -> tuple[list[PackedLayer], PackedLinear] | None:
-    """Packed copies of every layer and the LM head, or None where oneDNN can't pack them (then the HF modules
-    run as they are)."""
+def pack_layers(layers, lm_head, pack_layer: Callable[[object], PackedLayer] = PackedLayer.of_llama,
+                ) -> tuple[list[PackedLayer], PackedLinear] | None:
+    """Packed copies of every layer (`pack_layer` of each block) and the LM head, or None where oneDNN can't pack
+    them (then the HF modules run as they are)."""
     dtype = lm_head.weight.dtype
     if lm_head.weight.device.type != "cpu" or not available(dtype):
         return None
     try:
-        packed = [PackedLayer(block) for block in layers]
+        packed = [pack_layer(block) for block in layers]
         head = PackedLinear.of(lm_head)
     except (RuntimeError, AttributeError) as exc:  # an unusual module or a build without the op
         logger.info("decode runs without packed weights: %s", exc)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import MissingDependencyError
-from ..models.loader import DEFAULT_MODEL, PACKAGED_GGUF
+from ..models.loader import DEFAULT_MODEL, PACKAGED_GGUF, is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on every route but /health "
                    f"(default ${settings.ENV_API_KEY}; unset: no auth)")
     p.add_argument("--home", help=f"package home (models, KV store, Chroma); overrides ${settings.ENV_HOME}")
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged model alias or local model folder "
-                   f"(default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged model alias, local model folder or Hugging "
+                   f"Face hub id org/name, read from the HF cache (default {DEFAULT_MODEL})")
+    p.add_argument("--revision", help="branch, tag or commit of a hub id (default: main)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run a hub repo's own modelling code (off by "
+                   "default: it is code from the repo's authors)")
     p.add_argument("--served-model-name", help="the name clients send as `model` (default: --model, or the "
                    "folder's name for a path)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -44,7 +47,10 @@ def served_name(model: str, override: str | None = None) -> str:
     """The model name the server answers to."""
     if override:
         return override
-    return model if model in PACKAGED_GGUF else Path(model).expanduser().name
+    path = Path(model).expanduser()
+    if model in PACKAGED_GGUF or (not path.exists() and is_hub_id(model)):
+        return model  # an alias or a hub id is already the name clients know
+    return path.name
 
 
 def _is_loopback(host: str) -> bool:
@@ -77,7 +83,8 @@ def run_cli(args: argparse.Namespace) -> int:
     tiers = getattr(args, "kv_store", None)
     kv_store = open_store(list(tiers) if tiers else settings.kv_dir(args.home))
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
-                                              home=args.home)
+                                              home=args.home, revision=args.revision,
+                                              trust_remote_code=args.trust_remote_code)
     server = uvicorn.Server(uvicorn.Config(
         create_app(engine, config), host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
         access_log=args.verbose, timeout_graceful_shutdown=None,  # wait for in-flight requests, however long

@@ -100,7 +100,12 @@ class EngineFields(BaseModel):
     engine: Any = Field(default=None, exclude=True)
     """A ready `CacheBlendEngine`; when None one is built on first use from `model`, `kv_store` and `home`."""
     model: str = DEFAULT_MODEL
-    """Packaged model alias or local model folder; with `engine`, the engine's own model name replaces it."""
+    """Packaged model alias, local model folder or Hugging Face hub id (`org/name`, read from the HF cache as
+    transformers reads it); with `engine`, the engine's own model name replaces it."""
+    revision: str | None = None
+    """Branch, tag or commit of a hub id for a lazily built engine (None: main)."""
+    trust_remote_code: bool = False
+    """Let a lazily built engine run a hub repo's own modelling code (off: it is code from the repo's authors)."""
     kv_store: str | None = None
     """KV store folder for a lazily built engine (None: in memory; `~` is expanded)."""
     home: str | None = None
@@ -158,7 +163,8 @@ class EngineFields(BaseModel):
             with self._build_lock:
                 if self.engine is None:
                     self.engine = CacheBlendEngine.from_pretrained(
-                        self.model, kv_store=self.kv_store, device=self.device, dtype=self.dtype, home=self.home
+                        self.model, kv_store=self.kv_store, device=self.device, dtype=self.dtype, home=self.home,
+                        revision=self.revision, trust_remote_code=self.trust_remote_code,
                     )
         return self.engine
 

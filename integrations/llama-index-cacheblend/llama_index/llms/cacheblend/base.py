@@ -203,8 +203,12 @@ class CacheBlendLLM(CustomLLM):
         ['chunk_hits', 'chunk_ids', 'chunk_misses']
     """
 
-    model_name: str = Field(default=DEFAULT_MODEL, description="Packaged model alias or local model folder; "
-                            "with `engine=`, the engine's own model name.")
+    model_name: str = Field(default=DEFAULT_MODEL, description="Packaged model alias, local model folder or "
+                            "Hugging Face hub id (org/name, read from the HF cache); with `engine=`, the engine's "
+                            "own model name.")
+    revision: str | None = Field(default=None, description="Branch, tag or commit of a hub id (None: main).")
+    trust_remote_code: bool = Field(default=False, description="Run a hub repo's own modelling code (off: it is "
+                                    "code from the repo's authors).")
     tokenizer_name: str | None = Field(default=None, description="Ignored: the model folder's tokenizer is used.")
     context_window: int | None = Field(default=None, description="Context window (None: the model's own).")
     max_new_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
@@ -252,7 +256,8 @@ class CacheBlendLLM(CustomLLM):
                 if self._engine is None:
                     dtype = self.model_kwargs.get("dtype", self.model_kwargs.get("torch_dtype", "auto"))
                     self._engine = CacheBlendEngine.from_pretrained(
-                        self.model_name, kv_store=self.kv_store, device=self.device_map, dtype=dtype, home=self.home)
+                        self.model_name, kv_store=self.kv_store, device=self.device_map, dtype=dtype, home=self.home,
+                        revision=self.revision, trust_remote_code=self.trust_remote_code)
         return self._engine
 
     @property
