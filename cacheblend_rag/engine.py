@@ -180,6 +180,11 @@ class CacheBlendEngine:
         return self.cache.prefetch_depth
 
     @property
+    def has_chat_template(self) -> bool:
+        """Whether the model has a chat template (an instruct model: plain completions are wrapped in it)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
     def context_window(self) -> int:
         """The model's context window in tokens (prompt + generated)."""
         return self.adapter.max_positions
@@ -386,7 +391,7 @@ class CacheBlendEngine:
         for m in prompt:
             if m["role"] == "user":
                 _check_question(m["content"], "user message")
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise ConfigError(f"{self.model_name} has no chat template; pass the prompt as a string")
         text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
         return unicodedata.normalize("NFC", text), False

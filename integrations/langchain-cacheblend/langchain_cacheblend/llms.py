@@ -75,6 +75,10 @@ class CacheBlendLLM(EngineFields, BaseLLM):
 
     max_new_tokens: int = Field(default=64, ge=1, validation_alias=AliasChoices("max_new_tokens", "max_tokens"))
     """Most tokens to generate (alias `max_tokens`)."""
+    chat_template: bool = True
+    """Send a prompt to an instruct model inside its chat template, as one user turn (as LlamaIndex's
+    `HuggingFaceLLM` does): bare text makes such a model answer poorly or not at all. False sends the text as is;
+    a model without a chat template always gets it as is."""
     _recent: _RecentPrompts = PrivateAttr(default_factory=_RecentPrompts)
     @property
     def _llm_type(self) -> str:
@@ -82,7 +86,7 @@ class CacheBlendLLM(EngineFields, BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {**self._identifying_fields(), "max_new_tokens": self.max_new_tokens}
+        return {**self._identifying_fields(), "max_new_tokens": self.max_new_tokens, "chat_template": self.chat_template}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -123,9 +127,15 @@ class CacheBlendLLM(EngineFields, BaseLLM):
             info.update(chunk_ids=ids, per_chunk={cid: ("hit" if cid in hits else "miss") for cid in ids})
         return info
 
+    def _prompt(self, engine: CacheBlendEngine, text: str) -> str | list[dict[str, str]]:
+        """The prompt as the model gets it: one user turn of its chat template, or the text as is."""
+        if self.chat_template and engine.has_chat_template:
+            return [{"role": "user", "content": text}]
+        return text
+
     def _run(self, engine: CacheBlendEngine, request: _Request, settings: dict[str, Any]):
         if request.chunks is None:
-            return engine.generate_prompt(request.question, **settings)
+            return engine.generate_prompt(self._prompt(engine, request.question), **settings)
         return engine.generate(request.chunks, request.question, **settings)
 
     def _generate(
@@ -158,7 +168,7 @@ class CacheBlendLLM(EngineFields, BaseLLM):
         request = self._request(prompt, kwargs)
         stats: dict = {}
         if request.chunks is None:
-            pieces = engine.stream_prompt(request.question, stats=stats, **settings)
+            pieces = engine.stream_prompt(self._prompt(engine, request.question), stats=stats, **settings)
         else:
             pieces = engine.stream(request.chunks, request.question, stats=stats, **settings)
         try:

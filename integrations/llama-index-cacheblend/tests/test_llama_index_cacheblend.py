@@ -161,3 +161,31 @@ def test_warm_from_index_gives_a_users_chroma_index_hits(folder, li_engine, tmp_
         assert warm_from_index(index.vector_store, fresh).already_stored == report.chunks
     finally:
         Settings._llm, Settings._embed_model = saved
+
+
+def test_plain_completions_get_the_instruct_models_chat_template(li_engine):
+    """#25: complete() sent a bare string to an instruct model, which answered '' (a condense step's empty
+    question then crashed the chat engine)."""
+    llm = CacheBlendLLM(engine=li_engine, max_new_tokens=12)
+    prompt = "Rewrite as a standalone question: and how long does she take to develop?"
+    templated = li_engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True, tokenize=True, return_dict=True)
+    response = llm.complete(prompt)
+    assert response.text.strip() and response.additional_kwargs["num_tokens"] == len(templated["input_ids"])
+    raw = llm.complete(prompt, formatted=True)  # the caller formatted it: sent as is
+    assert raw.additional_kwargs["num_tokens"] == len(li_engine.tokenizer(prompt)["input_ids"])
+    own = CacheBlendLLM(engine=li_engine, max_new_tokens=2, completion_to_prompt=lambda p: f"Q: {p}\nA:")
+    assert own.complete(prompt).additional_kwargs["num_tokens"] == len(li_engine.tokenizer(f"Q: {prompt}\nA:")["input_ids"])
+
+
+def test_the_default_chat_engine_runs_four_turns(chroma_index, li_engine):
+    saved = Settings._llm, Settings._embed_model
+    try:
+        Settings.llm, Settings.embed_model = CacheBlendLLM(engine=li_engine, max_new_tokens=24), LocalEmbedding()
+        chat = chroma_index.as_chat_engine()  # LlamaIndex's default chat mode, condensing each follow-up
+        for turn in ("What does a queen eat?", "And how long does she take to develop?", "Who feeds her?",
+                     "Say that again in one sentence."):
+            assert str(chat.chat(turn)).strip()
+        assert len(chat.chat_history) == 8
+    finally:
+        Settings._llm, Settings._embed_model = saved

@@ -9,6 +9,7 @@ The stats of each call are in the response's `additional_kwargs`, and a query's 
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
+from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -36,6 +38,8 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 __all__ = ["CacheBlendLLM", "QueryStatsHandler"]
+
+logger = logging.getLogger(__name__)
 
 STATS_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed",
               "recompute_ratio_effective", "ttft_s", "num_generated", "recompute_ratio")
@@ -335,16 +339,32 @@ class CacheBlendLLM(CustomLLM):
 
         return pieces(), info
 
+    def _completion_prompt(self, prompt: str, formatted: bool) -> str | list[dict[str, str]]:
+        """What a completion sends the model: as `HuggingFaceLLM` does, `completion_to_prompt` when the user set
+        one, else an instruct model's chat template around it (one user turn after `system_prompt`, if any);
+        `formatted=True` or a model without a chat template gets the text as is."""
+        if formatted:
+            return prompt
+        if self.completion_to_prompt is not default_completion_to_prompt:
+            return self.completion_to_prompt(prompt)
+        if not self.engine.has_chat_template:
+            return prompt
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return [*system, {"role": "user", "content": prompt}]
+
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Answer `prompt` (stored chunks in it reuse their KV), or `question=` over `chunks=`."""
-        out, info = self._generate(prompt, kwargs)
+        out, info = self._generate(self._completion_prompt(prompt, formatted), kwargs)
+        if not out.text:
+            logger.warning("the model answered a %d-token prompt with no text (%d tokens generated, all special or "
+                           "whitespace)", info.get("num_tokens", 0), len(out.token_ids))
         return CompletionResponse(text=out.text, additional_kwargs=info)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         """Stream the answer: each response has the new `delta` and the cumulative `text`."""
-        pieces, info = self._stream(prompt, kwargs)
+        pieces, info = self._stream(self._completion_prompt(prompt, formatted), kwargs)
 
         def gen() -> CompletionResponseGen:
             text = ""

@@ -1,0 +1,118 @@
+"""An answer-correctness set a small model can pass: made-up products documented in short FAQ chunks.
+
+MuSiQue's gold F1 is ~0.04 for every method on a 135M model, so it cannot show a method giving wrong answers.
+Here every fact is invented (no model knows it), each question's answer is one fact stated in one chunk, and the
+prompt carries that chunk among `k` others about other products, in the user's own wording. Accuracy is whether
+the answer contains the fact. Generated from a seed: the same seed gives the same set everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+_SYLLABLES = ["zen", "tro", "va", "lum", "ka", "ori", "pex", "dal", "mi", "sor", "qui", "bel", "nax", "ter", "fio",
+              "gra", "hul", "vek", "ost", "ria"]
+_FIRST = ["Mira", "Tomas", "Leila", "Dario", "Ingrid", "Kofi", "Yuna", "Pavel", "Amara", "Bruno", "Selin", "Hugo"]
+_LAST = ["Okafor", "Lindqvist", "Moreau", "Tanaka", "Castellanos", "Novak", "Haddad", "Brennan", "Ivers", "Quist"]
+_CITIES = ["Tallinn", "Porto", "Ghent", "Bergen", "Kyoto", "Valparaiso", "Tartu", "Graz", "Malmo", "Lyon"]
+_KINDS = ["robot vacuum", "espresso machine", "e-bike", "smart thermostat", "drone", "air purifier", "3D printer",
+          "electric kettle"]
+_COLORS = ["teal", "amber", "graphite", "coral", "olive", "ivory", "crimson", "navy"]
+
+
+@dataclass(frozen=True)
+class FaqQuestion:
+    """One question, the chunk that answers it, and the other chunks retrieved beside it."""
+
+    question: str
+    answer: str
+    chunks: list[str]  # k chunks in retrieval order; one of them states the answer
+    gold: int  # which
+
+
+def _name(rng: random.Random) -> str:
+    return "".join(rng.sample(_SYLLABLES, 2)).capitalize()
+
+
+def _product(rng: random.Random, used: set[str]) -> dict:
+    company = _name(rng)
+    while company in used:
+        company = _name(rng)
+    used.add(company)
+    return {
+        "company": company,
+        "product": f"{company} {rng.choice('XQRSV')}{rng.randint(2, 9)}",
+        "kind": rng.choice(_KINDS),
+        "founder": f"{rng.choice(_FIRST)} {rng.choice(_LAST)}",
+        "city": rng.choice(_CITIES),
+        "year": str(rng.randint(1994, 2021)),
+        "warranty": f"{rng.choice([18, 24, 30, 36, 48])} months",
+        "battery": f"{rng.randint(3, 14)} hours",
+        "color": rng.choice(_COLORS),
+        "price": f"{rng.randint(79, 899)} euros",
+    }
+
+
+def _chunk(p: dict) -> str:
+    """A product page of a few short FAQ entries (about 150 tokens)."""
+    return (f"{p['product']} - Frequently asked questions\n"
+            f"What is the {p['product']}? It is a {p['kind']} made by {p['company']}, a company founded in "
+            f"{p['year']} by {p['founder']} and based in {p['city']}.\n"
+            f"How long is the warranty? The {p['product']} comes with a warranty of {p['warranty']}.\n"
+            f"How long does the battery last? On a full charge the battery lasts {p['battery']}.\n"
+            f"Which colors are there? The {p['product']} is sold in {p['color']} only.\n"
+            f"How much does it cost? The {p['product']} costs {p['price']}.")
+
+
+_QUESTIONS = [
+    ("Who founded {company}?", "founder"),
+    ("In which city is {company} based?", "city"),
+    ("In which year was {company} founded?", "year"),
+    ("How long is the warranty of the {product}?", "warranty"),
+    ("How long does the battery of the {product} last?", "battery"),
+    ("In which color is the {product} sold?", "color"),
+    ("How much does the {product} cost?", "price"),
+]
+
+
+def faq_set(num_questions: int, k: int = 4, seed: int = 0, num_products: int = 24) -> list[FaqQuestion]:
+    """`num_questions` questions, each over `k` chunks (the answering one at a random place among k - 1 others)."""
+    if not 1 <= k <= num_products:
+        raise ValueError(f"k must be in 1..{num_products}, got {k}")
+    rng = random.Random(seed)
+    used: set[str] = set()
+    products = [_product(rng, used) for _ in range(num_products)]
+    pages = [_chunk(p) for p in products]
+    out = []
+    for i in range(num_questions):
+        target = i % num_products
+        template, field = _QUESTIONS[rng.randrange(len(_QUESTIONS))]
+        others = rng.sample([j for j in range(num_products) if j != target], k - 1)
+        order = others + [target]
+        rng.shuffle(order)
+        out.append(FaqQuestion(template.format(**products[target]), products[target][field],
+                               [pages[j] for j in order], order.index(target)))
+    return out
+
+
+def correct(answer_text: str, expected: str) -> bool:
+    """Whether an answer states the fact: its words in order, case and punctuation aside (a number alone for a
+    quantity: '24' answers '24 months')."""
+    text = " ".join("".join(c if c.isalnum() else " " for c in answer_text.lower()).split())
+    want = " ".join("".join(c if c.isalnum() else " " for c in expected.lower()).split())
+    return want in text or (want.split()[0].isdigit() and want.split()[0] in text.split())
+
+
+def string_prompt(q: FaqQuestion) -> str:
+    """The chunks and question in a user's plain-text wording (a completion prompt)."""
+    context = "\n\n".join(q.chunks)
+    return (f"Use the following product information to answer the question.\n\n{context}\n\n"
+            f"Question: {q.question}\nAnswer:")
+
+
+def chat_prompt(q: FaqQuestion) -> list[dict[str, str]]:
+    """The chunks and question as chat messages of a user's own wording."""
+    context = "\n\n".join(q.chunks)
+    return [{"role": "system", "content": "You are a support assistant. Answer from the product information."},
+            {"role": "user", "content": f"Product information:\n{context}\n\nQuestion: {q.question}"}]
