@@ -49,3 +49,7 @@ class ProfileError(CacheBlendError):
 
 class VectorStoreError(CacheBlendError):
     """The vector store (Chroma) cannot be reached, refused the credentials, or lacks the collection."""
+
+
+class CollectionNotFoundError(VectorStoreError, LookupError):
+    """The named Chroma collection (or the whole embedded database) does not exist; nothing was created."""

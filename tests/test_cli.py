@@ -130,6 +130,10 @@ def _free_port() -> int:
     (["ingest", "x", "--memory-budget", "lots"], "--memory-budget"),
     (["ingest", "definitely/missing/folder"], "no such file"),
     (["ask", "q", "--chroma-token", "t"], "--host"),  # a token without a server
+    (["serve", "--port", "99999"], "--port"),  # checked before the model loads
+    (["serve", "--port", "0"], "--port"),
+    (["serve", "--max-body-bytes", "lots"], "--max-body-bytes"),
+    (["serve", "--header-timeout", "0"], "--header-timeout"),
 ])
 def test_bad_usage_exits_2_with_one_error_line(tmp_path, argv, words):
     out = _cli(*argv, "--home", str(tmp_path))
@@ -143,6 +147,14 @@ def test_unreachable_chroma_server_is_named(tmp_path):
     out = _cli("ask", "q", "--home", str(tmp_path), "--host", "127.0.0.1", "--port", str(port))
     assert out.returncode == 1
     assert f"cannot reach Chroma at http://127.0.0.1:{port}" in _one_error_line(out)
+
+
+def test_a_home_that_is_a_file_is_one_error_line(tmp_path):
+    home = tmp_path / "not-a-folder"
+    home.write_text("a regular file")
+    out = _cli("ingest", str(DATA), "--home", str(home))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "cannot open the Chroma database" in _one_error_line(out)
 
 
 def test_unknown_and_empty_collections_are_named(tmp_path):

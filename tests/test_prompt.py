@@ -52,6 +52,38 @@ def test_the_index_finds_chunks_at_any_offset_and_notices_edits(tmp_path):
     assert [m.chunk_id for m in ChunkIndex(tmp_path / "index.sqlite").scan(prompt).matches] == [chunk_id(TEXTS[2])]
 
 
+def _index_in_another_process(path, action: str, texts: list[str]) -> None:
+    """`add` or `remove` these chunks through a ChunkIndex of a second Python process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, json\n"
+            "from cacheblend_rag.ingest.chunks import chunk_id, normalize_text\n"
+            "from cacheblend_rag.ingest.index import ChunkIndex\n"
+            "path, action, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])\n"
+            "index = ChunkIndex(path)\n"
+            "index.add((chunk_id(t), normalize_text(t)) for t in texts) if action == 'add' "
+            "else index.remove([chunk_id(t) for t in texts])\n")
+    import json
+
+    subprocess.run([sys.executable, "-c", code, str(path), action, json.dumps(texts)], check=True, timeout=120)
+
+
+def test_a_loaded_index_sees_chunks_another_process_adds_or_removes_later(tmp_path):
+    path = tmp_path / "index.sqlite"
+    index = ChunkIndex(path)  # a running server's index: loaded by its first scan
+    index.add([(chunk_id(TEXTS[0]), normalize_text(TEXTS[0]))])
+    prompt = normalize_prompt(users_prompt(TEXTS))
+    assert [m.chunk_id for m in index.scan(prompt).matches] == [chunk_id(TEXTS[0])]
+    _index_in_another_process(path, "add", TEXTS[1:])  # `cacheblend-rag ingest` while the server runs
+    assert [m.chunk_id for m in index.scan(prompt).matches] == [chunk_id(t) for t in TEXTS]
+    assert index.text(chunk_id(TEXTS[2])) == normalize_text(TEXTS[2]) and len(index) == 3
+    _index_in_another_process(path, "remove", TEXTS[:1])  # `cacheblend-rag delete` elsewhere
+    assert [m.chunk_id for m in index.scan(prompt).matches] == [chunk_id(t) for t in TEXTS[1:]]
+    _index_in_another_process(path, "add", TEXTS[:1])  # back again, perhaps under a reused rowid
+    assert len(index) == 3 and len(index.scan(prompt).matches) == 3
+
+
 def test_a_users_own_prompt_reuses_the_chunks_it_carries(engine):
     ids = [chunk_id(t) for t in TEXTS]
     out = engine.generate_prompt(users_prompt(TEXTS), max_new_tokens=3)

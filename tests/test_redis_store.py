@@ -19,6 +19,7 @@ from conftest import tiny_model
 
 redis = pytest.importorskip("redis") if os.environ.get("CI") != "true" else __import__("redis")
 from cacheblend_rag.bench import replicas  # noqa: E402
+from cacheblend_rag.store.probe import CodecProfile  # noqa: E402
 from cacheblend_rag.store.redis import RedisStore  # noqa: E402
 
 LAYERS, TOKENS, HEADS, DIM = 4, 16, 2, 8
@@ -390,11 +391,18 @@ def test_two_engines_sharing_one_redis_a_chunk_ingested_on_one_is_a_hit_on_the_o
 # ---- codec=auto: the link measured, the codec chosen --------------------------------------
 
 
+# The codecs' sizes and decode speeds the choice is made from, fixed: measured ones depend on how busy the machine
+# is (under load the decoders looked slow enough for fp16 to win). The link is still measured, through a proxy
+# that can only make it slower than 100 Mbit/s, which only favours the smaller codecs.
+CODEC_SPEEDS = {"fp16": CodecProfile("fp16", 1.0, 10e9), "int8": CodecProfile("int8", 0.5, 2e9),
+                "cachegen": CodecProfile("cachegen", 0.25, 1e9)}
+
+
 def test_codec_auto_behind_a_slow_link_picks_a_smaller_codec_and_round_trips(server) -> None:
     proxy = replicas.PacedProxy(server.port, 100e6).start()  # 100 Mbit/s: fp16 is the slowest to fetch
     try:
         store = RedisStore.from_url(f"redis://127.0.0.1:{proxy.port}/0?codec=auto", dtype=torch.float32,
-                                    retry_after_s=0.0, socket_timeout=5.0)
+                                    retry_after_s=0.0, socket_timeout=5.0, codec_profiles=CODEC_SPEEDS)
         assert store.codec is not None and store.codec.name in ("int8", "cachegen")
         kv = make_kv()
         store.put(key(), kv)

@@ -438,6 +438,43 @@ def test_scheduler_bounds_its_queue_and_skips_cancelled_jobs():
     asyncio.run(main())
 
 
+def test_a_cancelled_queued_job_frees_its_slot_at_once():
+    """A client that left while its request waited gives the slot back now, not when the worker reaches it."""
+    from cacheblend_rag.serve.scheduler import Cancelled, Done, Failed, Job, QueueFull, Scheduler
+
+    release = threading.Event()
+
+    def run(job: Job) -> None:
+        release.wait(30)
+        job.emit(Done({}, "stop"))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        sched = Scheduler(run, max_queue=2)
+        sched.start()
+        jobs = [Job(i, loop, deadline=time.monotonic() + 60) for i in range(5)]
+        sched.submit(jobs[0])
+        while sched.batch_size() == 0:  # job 0 holds the worker until released
+            await asyncio.sleep(0.01)
+        sched.submit(jobs[1])
+        sched.submit(jobs[2])
+        with pytest.raises(QueueFull):
+            sched.submit(jobs[3])
+        jobs[1].cancel()
+        jobs[2].cancel()
+        assert sched.depth() == 0 and sched.batch_size() == 1  # freed while the worker is still busy
+        sched.submit(jobs[3])  # room again
+        for gone in jobs[1:3]:
+            event = await gone.next_event(1.0)
+            assert isinstance(event, Failed) and isinstance(event.error, Cancelled)
+        release.set()
+        assert isinstance(await jobs[0].next_event(1.0), Done)
+        assert isinstance(await jobs[3].next_event(1.0), Done)
+        await asyncio.to_thread(sched.stop, 30)
+
+    asyncio.run(main())
+
+
 def test_run_job_streams_then_finishes_and_stops_a_cancelled_or_late_job(tokenizer):
     from cacheblend_rag import CacheBlendEngine
     from cacheblend_rag.serve.runner import EngineCall, Retriever, Sampling, run_job

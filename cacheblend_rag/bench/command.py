@@ -86,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--fault-requests", type=int, default=24, metavar="N",
                       help="requests per --faults scenario (default 24)")
     mode.add_argument("--clients", type=int, default=4, metavar="C", help="client threads of --faults (default 4)")
+    mode.add_argument("--fault-scenarios", default=None, metavar="NAMES",
+                      help="comma-separated --faults scenarios to run (default: all; faults.SCENARIOS)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -381,8 +383,16 @@ def _shared_tier(args: argparse.Namespace, dataset: Path) -> dict:
     if args.faults:
         from . import faults
 
+        scenarios = faults.SCENARIOS
+        if args.fault_scenarios:
+            scenarios = tuple(n.strip() for n in args.fault_scenarios.split(",") if n.strip())
+            unknown = sorted(set(scenarios) - set(faults.SCENARIOS))
+            if unknown or not scenarios:
+                raise ValueError(f"--fault-scenarios: unknown {', '.join(unknown) or 'empty list'}; choose from "
+                                 f"{', '.join(faults.SCENARIOS)}")
         result = faults.run(items, model=args.model, home=args.home, num_requests=args.fault_requests,
-                            clients=args.clients, max_tokens=args.max_new_tokens, seed=args.seed)
+                            clients=args.clients, max_tokens=args.max_new_tokens, seed=args.seed,
+                            scenarios=scenarios)
         name, table = "faults", faults.format_faults(result["results"])
         header = (f"{args.fault_requests} requests per scenario from {args.clients} clients over 2 replicas, "
                   f"{len(items)} questions × {args.chunks} passages, {args.max_new_tokens} new tokens; {machine()}")

@@ -7,6 +7,10 @@ per scenario:
     replica_kill kill -9 replica b while one of its answers is streaming, at 25%; the rest go to replica a
     maxmemory    Redis's maxmemory set to half the working set (allkeys-lru) and filled with other keys first
     flip         one byte flipped in one layer of every stored entry at 25%
+    big_body     a 256 MiB chunked upload without the API key to replica a at 25%, and one with it: both must be
+                 cut off early (401 from the headers, 413 at --max-body-bytes); the replica's RSS is sampled
+    slow_headers 64 connections (32 per replica) at 25% that send half a request's headers a byte a second: the
+                 replicas must close them (--header-timeout) while the load goes on
 
 Per scenario: completed / failed / wrong, per replica. A request *failed* when it got no complete answer (an HTTP
 error, or a stream cut before `finish_reason` and [DONE]). It is *wrong* when its answer differs from the answer
@@ -29,6 +33,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import secrets
+import select
+import socket
 import tempfile
 import threading
 import time
@@ -40,8 +47,11 @@ from .replicas import RedisServer, Replica
 logger = logging.getLogger(__name__)
 
 TINY_RANDOM = "tiny-random"
-SCENARIOS = ("healthy", "redis_kill", "replica_kill", "maxmemory", "flip")
+SCENARIOS = ("healthy", "redis_kill", "replica_kill", "maxmemory", "flip", "big_body", "slow_headers")
 QUESTION_LIMIT_S = 300.0
+BIG_BODY_BYTES = 256 * 1024**2  # what the big_body client would send if nothing stopped it
+SLOW_CLIENTS = 64  # half-sent requests of slow_headers, split over the replicas
+SLOW_LIMIT_S = 120.0  # how long slow_headers waits for the replicas to close them
 
 
 @dataclass
@@ -72,7 +82,7 @@ class Outcome:
 
 
 def ask(url: str, question: str, docs: list[str], max_tokens: int, model: str, on_piece=None,
-        timeout_s: float = QUESTION_LIMIT_S, extra: dict | None = None) -> dict:
+        timeout_s: float = QUESTION_LIMIT_S, extra: dict | None = None, api_key: str | None = None) -> dict:
     """One streamed chat completion: {"text", "usage"}; raises on an HTTP error or a stream cut short."""
     import httpx
 
@@ -80,7 +90,9 @@ def ask(url: str, question: str, docs: list[str], max_tokens: int, model: str, o
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "documents": docs,
             **(extra or {})}
     text, usage, finished, done = [], None, False, False
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout_s) as response:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers,
+                      timeout=timeout_s) as response:
         if response.status_code != 200:
             response.read()
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
@@ -165,6 +177,7 @@ class Cluster:
         from ..serve.command import served_name
 
         self.workdir = Path(workdir)
+        self.api_key = secrets.token_hex(16)  # the replicas require it: the big_body upload goes without
         if model == TINY_RANDOM:
             model = str(tiny_random_model(self.workdir / TINY_RANDOM, home))
         self.model = model
@@ -183,7 +196,8 @@ class Cluster:
         rhome.mkdir()
         (rhome / "models").symlink_to(models, target_is_directory=True)
         # a long server timeout: on a shared CPU a queued request may wait minutes, and that is not a fault
-        return Replica(rhome, [self.redis.url], "--timeout", "3600", model=self.model, name=name)
+        return Replica(rhome, [self.redis.url], "--timeout", "3600", model=self.model, name=name,
+                       api_key=self.api_key)
 
     def restart_replica(self, name: str, models: Path) -> None:
         """A fresh process for a killed replica."""
@@ -235,7 +249,8 @@ def run_load(cluster: Cluster, items: list[tuple[str, list[str]]], num_requests:
                     state["streaming"].add(marker)
 
                 try:
-                    answer = ask(replica.url, question, docs, max_tokens, cluster.served, on_piece)
+                    answer = ask(replica.url, question, docs, max_tokens, cluster.served, on_piece,
+                                 api_key=cluster.api_key)
                 except Exception as e:  # noqa: BLE001 - every failure is an outcome to count
                     import httpx
 
@@ -278,6 +293,77 @@ def run_load(cluster: Cluster, items: list[tuple[str, list[str]]], num_requests:
     if fault_thread:
         fault_thread.join(QUESTION_LIMIT_S)
     return sorted(outcomes, key=lambda o: o.index), state
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def oversized_upload(port: int, headers: dict[str, str], limit: int = BIG_BODY_BYTES) -> dict:
+    """A chunked POST of up to `limit` bytes to 127.0.0.1:port, stopped as soon as the server answers: its status
+    (None: it never answered) and the body bytes sent by then."""
+    chunk = b"x" * 65536
+    frame = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "localhost", "Content-Type": "application/json",
+                                                 "Transfer-Encoding": "chunked", **headers}.items())
+    sent, status = 0, None
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode())
+        try:
+            while sent < limit and not select.select([sock], [], [], 0)[0]:
+                sock.sendall(frame)
+                sent += len(chunk)
+            if select.select([sock], [], [], 10)[0]:
+                first = sock.recv(65536).split(b"\r\n", 1)[0].split()
+                status = int(first[1]) if len(first) >= 2 and first[1].isdigit() else None
+        except (OSError, TimeoutError):  # cut off: the answer may still be readable
+            try:
+                first = sock.recv(65536).split(b"\r\n", 1)[0].split()
+                status = int(first[1]) if len(first) >= 2 and first[1].isdigit() else None
+            except OSError:
+                pass
+    return {"status": status, "sent_bytes": sent}
+
+
+def slow_header_flood(ports: list[int], count: int = SLOW_CLIENTS, limit_s: float = SLOW_LIMIT_S) -> dict:
+    """`count` connections (spread over `ports`) that each send half a request's headers, then a byte a second;
+    how many the servers closed within `limit_s`, and the longest any stayed open (bounded by `limit_s`)."""
+    partial = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nX-Slow: "
+    socks, opened = [], time.monotonic()
+    try:
+        for i in range(count):
+            sock = socket.create_connection(("127.0.0.1", ports[i % len(ports)]), timeout=10)
+            sock.setblocking(False)
+            sock.send(partial)
+            socks.append(sock)
+        open_since = {sock: time.monotonic() for sock in socks}
+        closed: dict = {}
+        deadline = opened + limit_s
+        while len(closed) < len(socks) and time.monotonic() < deadline:
+            live = [s for s in socks if s not in closed]
+            readable, _, _ = select.select(live, [], [], 1.0)
+            for sock in readable:
+                try:
+                    data = sock.recv(4096)
+                except OSError:
+                    data = b""
+                if not data:
+                    closed[sock] = time.monotonic() - open_since[sock]
+            for sock in live:
+                if sock not in closed:
+                    try:
+                        sock.send(b"a")  # a byte a second: the headers never end
+                    except OSError:
+                        closed[sock] = time.monotonic() - open_since[sock]
+        longest = max(closed.values(), default=0.0) if len(closed) == len(socks) else limit_s
+        return {"slow_clients": len(socks), "closed_by_server": len(closed), "longest_open_s": round(longest, 1)}
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _wait_done_fraction(state: dict, fraction: float, total: int, limit_s: float = QUESTION_LIMIT_S * 4) -> None:
@@ -323,7 +409,7 @@ def _fill_to_maxmemory(redis_server: RedisServer, maxmemory: int) -> int:
 def _warm(cluster: Cluster, items, max_tokens: int) -> None:
     """Every question once through replica a, so every chunk is stored."""
     for question, docs in items:
-        ask(cluster.replicas["a"].url, question, docs, max_tokens, cluster.served)
+        ask(cluster.replicas["a"].url, question, docs, max_tokens, cluster.served, api_key=cluster.api_key)
 
 
 def _cpu_s(pid: int) -> float:
@@ -386,6 +472,36 @@ def run_scenario(name: str, cluster: Cluster, items, num_requests: int, clients:
             state["events"]["fault_start"] = time.monotonic()
             scenario.notes["entries_flipped"] = flip_every_entry(cluster.redis, rng)
             state["events"]["fault_end"] = time.monotonic()
+    elif name == "big_body":
+        def fault(state) -> None:
+            target = cluster.replicas["a"]
+            state["events"]["fault_start"] = time.monotonic()
+            rss = [rss_bytes(target.proc.pid)]
+            sampling = threading.Event()
+
+            def sample() -> None:
+                while not sampling.wait(0.05):
+                    rss.append(rss_bytes(target.proc.pid))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            try:
+                no_key = oversized_upload(target.port, {})
+                with_key = oversized_upload(target.port, {"Authorization": f"Bearer {cluster.api_key}"})
+            finally:
+                sampling.set()
+                sampler.join(10)
+            state["events"]["fault_end"] = time.monotonic()
+            mib = 1024**2
+            scenario.notes.update(no_key_status=no_key["status"], no_key_sent_mib=round(no_key["sent_bytes"] / mib, 1),
+                                  with_key_status=with_key["status"],
+                                  with_key_sent_mib=round(with_key["sent_bytes"] / mib, 1),
+                                  rss_before_mib=round(rss[0] / mib), rss_peak_mib=round(max(rss) / mib))
+    elif name == "slow_headers":
+        def fault(state) -> None:
+            state["events"]["fault_start"] = time.monotonic()
+            scenario.notes.update(slow_header_flood([r.port for r in cluster.replicas.values()]))
+            state["events"]["fault_end"] = time.monotonic()
     before = _costs(cluster) if name == "healthy" else None
     outcomes, state = run_load(cluster, items, num_requests, clients, max_tokens, fault)
     scenario.outcomes, scenario.events = outcomes, dict(state["events"])
@@ -417,9 +533,10 @@ def references(cluster: Cluster, items, scenarios: list[Scenario], max_tokens: i
     for q, pattern in sorted(wanted, key=lambda w: (w[0], w[1] is not None)):
         question, docs = items[q]
         client.flushall()
-        ask(url, question, docs, max_tokens, cluster.served)  # stores every chunk (and the prefix, if it is stored)
+        # stores every chunk (and the prefix, if it is stored)
+        ask(url, question, docs, max_tokens, cluster.served, api_key=cluster.api_key)
         if pattern is None:
-            refs[(q, None)] = ask(url, question, docs, max_tokens, cluster.served)["text"]
+            refs[(q, None)] = ask(url, question, docs, max_tokens, cluster.served, api_key=cluster.api_key)["text"]
             continue
         hits, prefix_hit = pattern
         for name in client.scan_iter(count=1000):
@@ -427,7 +544,7 @@ def references(cluster: Cluster, items, scenarios: list[Scenario], max_tokens: i
             keep = chunk_id in hits or (prefix_hit and chunk_id not in _all_ids(scenarios, q))
             if not keep:
                 client.delete(name)
-        answer = ask(url, question, docs, max_tokens, cluster.served)
+        answer = ask(url, question, docs, max_tokens, cluster.served, api_key=cluster.api_key)
         cb = answer["usage"]["cacheblend"]
         got = (frozenset(cb["hit_ids"]), int(cb.get("exact_cached_tokens", 0)) > 0)
         refs[(q, pattern)] = answer["text"] if got == pattern else None  # None: the pattern could not be rebuilt

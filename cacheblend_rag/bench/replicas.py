@@ -97,8 +97,8 @@ class Replica:
 
     def __init__(self, home: Path, kv_store: list[str], *args: str, model: str = "smollm2-135m",
                  env: dict[str, str] | None = None, name: str = "replica", dtype: str = "float32",
-                 device: str = "cpu") -> None:
-        self.home, self.name = Path(home), name
+                 device: str = "cpu", api_key: str | None = None) -> None:
+        self.home, self.name, self.api_key = Path(home), name, api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = self.home / f"{name}-{self.port}.log"
@@ -106,6 +106,8 @@ class Replica:
                "--model", model, "--dtype", dtype, "--device", device, *args]
         for tier in kv_store:
             cmd += ["--kv-store", tier]
+        if api_key is not None:
+            cmd += ["--api-key", api_key]
         env = dict(env if env is not None else os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false", ANONYMIZED_TELEMETRY="False")
         with open(self.log, "wb") as log:
@@ -157,7 +159,8 @@ class Replica:
         import httpx
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
         return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 

@@ -22,6 +22,9 @@ def _number(name: str, value: Any, *, integer: bool = False) -> None:
         raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """How to decode, for `generate` and `stream` alike; temperature 0 means greedy.
@@ -47,6 +50,8 @@ class SamplingOptions:
             raise ConfigError(f"top_p must be within (0, 1], got {self.top_p}")
         if self.seed is not None:
             _number("seed", self.seed, integer=True)
+            if not SEED_MIN <= self.seed <= SEED_MAX:  # torch's generators take a 64-bit seed, else ValueError
+                raise ConfigError(f"seed must be within [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         stop = self.stop
         if stop is None:
             stop = ()

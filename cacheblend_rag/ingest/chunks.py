@@ -79,5 +79,9 @@ def make_chunk(text: str, tokenizer) -> Chunk:
     norm = normalize_text(text)
     if not norm:
         raise ChunkError("empty chunk: a chunk needs at least one non-whitespace character")
+    try:
+        norm.encode("utf-8")  # a lone surrogate would fail in the hash or the tokenizer with a TypeError
+    except UnicodeEncodeError as e:
+        raise ChunkError(f"a chunk is not valid text ({e.reason} at position {e.start}); pass UTF-8 text") from None
     ids = tokenizer(norm, add_special_tokens=False)["input_ids"]
     return Chunk(chunk_id=chunk_id(norm), text=norm, token_ids=torch.tensor(ids, dtype=torch.long))

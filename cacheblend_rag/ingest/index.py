@@ -3,7 +3,9 @@
 Each chunk is indexed by its first `HEAD_CHARS` characters (normalized text). A prompt is scanned once: at each
 position the next `HEAD_CHARS` characters are looked up in a dict (O(1) whatever the store's size), and a
 candidate is verified against the chunk's full text before it counts. The texts persist in SQLite (WAL, safe
-under several processes) beside the KV store, so a chunk ingested by one process is found by every other.
+under several processes) beside the KV store, so a chunk ingested by one process is found by every other: each
+lookup first asks SQLite whether the file changed (`PRAGMA data_version` on a connection kept open, one cheap
+statement) and, when it did, loads the rows added since (by rowid); rows removed elsewhere make it reload.
 """
 
 from __future__ import annotations
@@ -79,7 +81,11 @@ class ChunkIndex:
         self._short: dict[int, dict[str, str]] = {}  # texts shorter than a head: length → text → chunk id
         self._texts: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._loaded = False
+        self._loaded = False  # without a file: nothing to load; with one, `_version` says what was seen
+        self._reader: sqlite3.Connection | None = None  # kept open: data_version is per connection
+        self._version: int | None = None  # the file's data_version when last read
+        self._rowid = 0  # the largest rowid loaded
+        self._rows = 0  # rows of the file loaded (fewer there than loaded: some were removed)
 
     def add(self, items: Iterable[tuple[str, str]]) -> None:
         """Index (chunk_id, normalized text) pairs, persisting them."""
@@ -161,17 +167,37 @@ class ChunkIndex:
             self._short.setdefault(len(text), {})[text] = cid
 
     def _load(self) -> None:
-        if self._loaded:
+        """Bring the in-memory index up to the file: nothing to do (one PRAGMA) unless another connection wrote."""
+        if self.path is None or self._loaded:
             return
         with self._lock:
-            if self._loaded:
-                return
-            self._loaded = True
-            with self._db() as db:
-                if db is None:
+            if self._reader is None:
+                self._reader = self._connect(check_same_thread=False)  # used under self._lock only
+                if self._reader is None:
+                    self._loaded = True  # the file cannot be used: this process's chunks only (logged)
                     return
-                for cid, head, text in db.execute("SELECT chunk_id, head, text FROM chunks"):
-                    self._insert(cid, head, text)
+            try:
+                self._sync(self._reader)
+            except sqlite3.Error as e:
+                logger.warning("chunk index %s: %s; new chunks of other processes are not seen yet", self.path, e)
+
+    def _sync(self, db: sqlite3.Connection) -> None:
+        """Under the lock: load the rows added since the last sync, or everything again when rows were removed."""
+        version = db.execute("PRAGMA data_version").fetchone()[0]
+        if version == self._version:
+            return
+        new = db.execute("SELECT rowid, chunk_id, head, text FROM chunks WHERE rowid > ? ORDER BY rowid",
+                         (self._rowid,)).fetchall()
+        (count,) = db.execute("SELECT count(*) FROM chunks").fetchone()
+        if count != self._rows + len(new):  # rows were removed (here or elsewhere): start over from the file
+            self._heads, self._short, self._texts = {}, {}, {}
+            self._rowid = self._rows = 0
+            new = db.execute("SELECT rowid, chunk_id, head, text FROM chunks ORDER BY rowid").fetchall()
+        for rowid, cid, head, text in new:
+            self._insert(cid, head, text)
+            self._rowid = max(self._rowid, rowid)
+        self._rows += len(new)
+        self._version = version
 
     def _persist(self, rows: list[tuple[str, str, str]]) -> None:
         with self._db() as db:
@@ -194,13 +220,13 @@ class ChunkIndex:
         finally:
             db.close()
 
-    def _connect(self) -> sqlite3.Connection | None:
+    def _connect(self, check_same_thread: bool = True) -> sqlite3.Connection | None:
         if self.path is None:
             return None
         db = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, timeout=5.0)
+            db = sqlite3.connect(self.path, timeout=5.0, check_same_thread=check_same_thread)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(_SCHEMA)
             return db

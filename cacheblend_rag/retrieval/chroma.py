@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import settings
-from ..errors import ConfigError, MissingDependencyError, VectorStoreError
+from ..errors import CollectionNotFoundError, ConfigError, MissingDependencyError, VectorStoreError
 from .embeddings import embed, embedding_model_path, load_embedder
 from .loaders import ChunkRecord
 
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_COLLECTION = "cacheblend_chunks"
 _UPSERT_BATCH = 256
 _TOKEN_PROVIDER = "chromadb.auth.token_authn.TokenAuthClientProvider"
+_CHROMA_DB_FILE = "chroma.sqlite3"  # what PersistentClient creates in its folder
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,9 @@ class ChromaChunkStore:
 
     Embedded by default (`chromadb.PersistentClient` at `settings.chroma_dir(home)`, or `path`); with
     `host`/`port` it talks to a Chroma server instead (`token`, `ssl`, `ca_bundle` default to the
-    `CACHEBLEND_RAG_CHROMA_*` environment variables). `create=False` opens an existing collection only
-    (a missing one is a `VectorStoreError` listing those that exist). `own_embeddings=False` opens a collection
+    `CACHEBLEND_RAG_CHROMA_*` environment variables). `create=False` opens an existing collection only and
+    writes nothing: a missing collection (or embedded database) is a `CollectionNotFoundError` listing those that
+    exist. `own_embeddings=False` opens a collection
     someone else made as it is, without our embedding function, for reading its documents (`warm_from_chroma`).
     """
 
@@ -109,15 +111,23 @@ class ChromaChunkStore:
         client_settings = Settings(**options)
         self.collection_name = collection
         self._own_embeddings = own_embeddings
+        # where, before anything can fail: every error below names it
+        if remote:
+            host = host or "localhost"
+            self.location = f"{'https' if ssl else 'http'}://{host}:{port or 8000}"
+        else:
+            root = settings.chroma_dir(home) if path is None else os.fspath(path)
+            self.location = str(root)
+            if not create and not os.path.isfile(os.path.join(root, _CHROMA_DB_FILE)):
+                # opening would create the database there: a read never writes
+                raise CollectionNotFoundError(f"no Chroma database at {self.location}: no collection "
+                                              f"{collection!r}; run `cacheblend-rag ingest PATH` with the same "
+                                              "--home/--collection first")
         try:
             if remote:
-                host = host or "localhost"
-                self.location = f"{'https' if ssl else 'http'}://{host}:{port or 8000}"
                 self.client = chromadb.HttpClient(host=host, port=int(port or 8000), ssl=ssl, settings=client_settings)
             else:
-                root = settings.chroma_dir(home) if path is None else os.fspath(path)
                 os.makedirs(root, exist_ok=True)
-                self.location = str(root)
                 self.client = chromadb.PersistentClient(path=str(root), settings=client_settings)
             self.collection = self._open(create)
         except (VectorStoreError, ConfigError):
@@ -146,7 +156,7 @@ class ChromaChunkStore:
         names = [c if isinstance(c, str) else c.name for c in self.client.list_collections()]
         if self.collection_name not in names:
             listed = ", ".join(repr(n) for n in sorted(names)) or "none"
-            raise VectorStoreError(
+            raise CollectionNotFoundError(
                 f"no collection {self.collection_name!r} in Chroma at {self.location} (collections: {listed}); "
                 "run `cacheblend-rag ingest PATH` with the same --home/--collection first"
             )

@@ -8,7 +8,6 @@ the scheduler's worker thread; handlers only queue a job and relay its events, s
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -19,14 +18,23 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import CacheBlendError, ChunkError, ConfigError, MissingDependencyError, PromptTooLongError
+from ..errors import (
+    CacheBlendError,
+    ChunkError,
+    CollectionNotFoundError,
+    ConfigError,
+    MissingDependencyError,
+    PromptTooLongError,
+    VectorStoreError,
+)
+from .limits import RequestGuard, check_fits, max_token_chars
 from .metrics import ServerMetrics
-from .runner import EngineCall, Retriever, Sampling, make_scheduler
+from .runner import EngineCall, Retriever, Sampling, admit_documents, make_scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
 from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout
 
@@ -47,6 +55,10 @@ class ServeConfig:
     chroma_port: int | None = None
     poll_s: float = 0.5  # how often a waiting non-streaming request checks that its client is still there
     max_batch: int = 8  # sequences decoded together (continuous batching); 1: one request at a time
+    max_body_bytes: int = 8 * 1024**2  # a larger request body gets 413, read no further
+    max_documents: int = 256  # documents + chunk_ids of one request; more get 400 before queueing
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this (uvicorn protocol, command.py)
+    body_timeout_s: float = 60.0  # and its body within this after them (408)
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -59,6 +71,13 @@ class ServeConfig:
             raise ConfigError(f"default_max_tokens must be ≥ 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key:
             raise ConfigError("the API key must not be empty")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be ≥ 1024, got {self.max_body_bytes}")
+        if self.max_documents < 1:
+            raise ConfigError(f"max_documents must be ≥ 1, got {self.max_documents}")
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise ConfigError(f"the header and body timeouts must be > 0 seconds, got {self.header_timeout_s} and "
+                              f"{self.body_timeout_s}")
 
 
 class APIError(Exception):
@@ -79,23 +98,29 @@ class APIError(Exception):
 
 
 def api_error(exc: BaseException) -> APIError:
-    """The API error for an exception raised while serving a request."""
+    """The API error for an exception raised while serving a request. A server-side failure's own message (which
+    may name files and folders of this machine) goes to the log only; the client gets its kind."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, (ConfigError, ChunkError)):
         return APIError(400, str(exc), code="invalid_value")
+    if isinstance(exc, CollectionNotFoundError):  # the retriever's message names the collection, not the path
+        return APIError(404, str(exc), code="collection_not_found")
     if isinstance(exc, RequestTimeout):
         return APIError(504, f"{exc}; retry with fewer documents or a smaller max_tokens", "timeout_error", "timeout")
     if isinstance(exc, Cancelled):
         return APIError(499, str(exc), "cancelled", "cancelled")
     if isinstance(exc, MissingDependencyError):
         return APIError(500, str(exc), "server_error", "missing_dependency")
-    if isinstance(exc, CacheBlendError):
-        return APIError(500, str(exc), "server_error", type(exc).__name__)
     logger.error("request failed", exc_info=(type(exc), exc, exc.__traceback__))
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", "internal_error")
+    if isinstance(exc, VectorStoreError):
+        return APIError(503, "the vector store for `retrieval` is unavailable (the server's log says why)",
+                        "server_error", "vector_store_unavailable")
+    code = type(exc).__name__ if isinstance(exc, CacheBlendError) else "internal_error"
+    return APIError(500, f"internal error ({type(exc).__name__}); the server's log has the details", "server_error",
+                    code)
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -164,6 +189,7 @@ class _Server:
         self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size, engine.kv_store.stats)
         self.created = int(time.time())
         self._mean_latency_s: float | None = None
+        self.chars_per_token = max_token_chars(engine.tokenizer)  # bounds a prompt's tokens from its length
 
     # ---- requests to engine calls ---------------------------------------------------------
 
@@ -209,6 +235,19 @@ class _Server:
         """A completion prompt → engine call (the prompt is the question)."""
         return self._call(body, body.prompt_text(), None, self.config.default_max_tokens)
 
+    def _admitted(self, call: EngineCall) -> EngineCall:
+        """The call, checked for size and its documents tokenized: what cannot fit is refused here, before it takes
+        a queue slot or the engine's worker (which tokenized it before)."""
+        if len(call.documents) > self.config.max_documents:
+            raise APIError(400, f"{len(call.documents)} documents and chunk ids; this server takes at most "
+                           f"{self.config.max_documents} per request", code="too_many_documents")
+        check_fits(call, int(self.engine.context_window), self.chars_per_token)
+        return admit_documents(self.engine, call)
+
+    async def admit(self, call: EngineCall) -> EngineCall:
+        """`_admitted` on a thread of its own: neither the event loop nor the engine's worker tokenizes."""
+        return await asyncio.to_thread(self._admitted, call)
+
     # ---- running a job ----------------------------------------------------------------------
 
     def _retry_after(self) -> str:
@@ -233,6 +272,10 @@ class _Server:
 
     async def respond(self, request: Request, body: _Generation, call: EngineCall, chat: bool):
         """Queue the call and answer with JSON, or with SSE once the first piece (or an error) is known."""
+        try:
+            call = await self.admit(call)
+        except CacheBlendError as e:
+            raise api_error(e) from e
         job = self._submit(call)
         streaming = False
         try:
@@ -347,14 +390,6 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         finally:  # uvicorn has finished the in-flight requests by now
             await asyncio.to_thread(server.scheduler.stop, config.timeout_s)
 
-    async def authorize(request: Request) -> None:
-        if config.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
     app = FastAPI(title="cacheblend-rag", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
@@ -382,32 +417,38 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         return {"status": "ok", "model": config.model_name, "queue_depth": server.scheduler.depth(),
                 "running": server.scheduler.batch_size()}
 
-    @app.get("/metrics", dependencies=[Depends(authorize)])
+    @app.get("/metrics")
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [server.model_card()]}
 
-    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorize)])
+    @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
         if model != config.model_name:
             raise APIError(404, f"the model {model!r} does not exist", code="model_not_found")
         return server.model_card()
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server._check_model(body)
         return await server.respond(request, body, server.chat_call(body), chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server._check_model(body)
         return await server.respond(request, body, server.completion_call(body), chat=False)
 
+    def refuse(status: int, message: str, code: str, headers: dict[str, str]) -> JSONResponse:
+        return APIError(status, message, code=code, headers=headers).response()
+
+    # the guard checks the key and reads the body before any route (or FastAPI's JSON parsing) runs
+    app.add_middleware(RequestGuard, api_key=config.api_key, open_paths=frozenset({"/health"}),
+                       max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s, refuse=refuse)
     routes = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
-    app.add_middleware(_CountRequests, metrics=server.metrics, routes=routes)
+    app.add_middleware(_CountRequests, metrics=server.metrics, routes=routes)  # added last: outermost, counts all
     return app
 
 

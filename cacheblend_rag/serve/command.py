@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import signal
 from pathlib import Path
 
@@ -14,11 +15,14 @@ from ..models.loader import DEFAULT_MODEL, PACKAGED_GGUF, is_hub_id
 
 logger = logging.getLogger(__name__)
 
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this
+MAX_HEADER_BYTES = 16 * 1024  # request line + headers; more is a 400 from h11
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The serve options."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port, 1 to 65535 (default 8000)")
     p.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on every route but /health "
                    f"(default ${settings.ENV_API_KEY}; unset: no auth)")
     p.add_argument("--home", help=f"package home (models, KV store, Chroma); overrides ${settings.ENV_HOME}")
@@ -39,8 +43,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default 300)")
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens when a request sets none (default 256)")
     p.add_argument("--chroma-host", help="Chroma server for `retrieval` (default: the embedded database under --home)")
-    p.add_argument("--chroma-port", type=int, help="Chroma server port")
+    p.add_argument("--chroma-port", type=_port, help="Chroma server port")
+    p.add_argument("--max-body-bytes", type=_size, default=8 * 1024**2, metavar="SIZE",
+                   help="largest request body, e.g. 8MiB (default); a larger one gets 413 and is not read")
+    p.add_argument("--max-documents", type=_at_least_1, default=256, metavar="N",
+                   help="documents + chunk_ids one request may send (default 256); more get 400 before queueing")
+    p.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="seconds a client has to send a request's headers (default 10); then the connection closes")
+    p.add_argument("--body-timeout", type=_seconds, default=60.0, metavar="S",
+                   help="seconds a client has to send a request's body after its headers (default 60); then 408")
     p.add_argument("-v", "--verbose", action="store_true", help="log INFO messages and every request to stderr")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, got {value}")
+    return value
+
+
+def _at_least_1(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    from ..cli import parse_size
+
+    value = parse_size(text)
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"must be at least 1KiB, got {text}")
+    return value
 
 
 def served_name(model: str, override: str | None = None) -> str:
@@ -66,6 +117,7 @@ def run_cli(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .app import ServeConfig, create_app
+        from .limits import header_deadline_protocol
     except ImportError as e:
         raise MissingDependencyError(f"serving needs {e.name}: pip install 'cacheblend-rag[serve]'") from e
     from ..engine import CacheBlendEngine
@@ -74,8 +126,9 @@ def run_cli(args: argparse.Namespace) -> int:
     config = ServeConfig(model_name=served_name(args.model, args.served_model_name),
                          api_key=settings.api_key(args.api_key), max_queue=args.max_queue, timeout_s=args.timeout,
                          default_max_tokens=args.max_tokens, max_batch=args.max_batch, home=args.home,
-                         chroma_host=args.chroma_host,
-                         chroma_port=args.chroma_port)
+                         chroma_host=args.chroma_host, chroma_port=args.chroma_port,
+                         max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
+                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
     if not _is_loopback(args.host) and config.api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     # --kv-store tiers (cli.py adds the option), else memory over the disk under --home; built before the model
@@ -88,6 +141,10 @@ def run_cli(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         create_app(engine, config), host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
         access_log=args.verbose, timeout_graceful_shutdown=None,  # wait for in-flight requests, however long
+        # h11 with a deadline on each request's headers; idle keep-alive connections close after 5 s; headers
+        # larger than 16 KiB are refused by h11 (400)
+        http=header_deadline_protocol(config.header_timeout_s), timeout_keep_alive=KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     ))
     # uvicorn handles SIGTERM/SIGINT (stop accepting, finish in-flight requests, run the lifespan's shutdown),
     # then raises the signal again for the previous handler; a graceful stop is a clean exit, so ignore it here.

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
+from ..errors import CollectionNotFoundError, PromptTooLongError
 from ..fuse.layout import PromptTemplate
+from ..ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
 from .scheduler import BatchScheduler, Done, Failed, Job, Piece, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class EngineCall:
     sampling: Sampling
     system: str | None = None  # a chat's system message
     messages: tuple[dict, ...] = ()  # the whole chat as {"role", "content": text} (empty for a completion)
-    documents: tuple[str, ...] = ()  # passage texts or chunk ids, in prompt order
+    documents: tuple[str | Chunk, ...] = ()  # passage texts (tokenized on admission) or chunk ids, in prompt order
     retrieval: tuple[str, int] | None = None  # (collection, k)
     method: str = "cacheblend"
     recompute_ratio: float | str | None = None
@@ -51,20 +52,42 @@ class EngineCall:
 
 
 class Retriever:
-    """The server's Chroma collections, opened on first use (in the worker thread) and kept."""
+    """The server's Chroma collections, opened on first use (in the worker thread) and kept; only existing ones
+    (a request never creates a collection, nor the database)."""
 
     def __init__(self, home: str | os.PathLike[str] | None, host: str | None = None, port: int | None = None) -> None:
         self.home, self.host, self.port = home, host, port
         self._stores: dict[str, object] = {}
 
     def query(self, collection: str, question: str, k: int) -> list[str]:
-        """Texts of the `k` chunks most similar to the question, best first."""
+        """Texts of the `k` chunks most similar to the question, best first; CollectionNotFoundError (naming the
+        collection only, never where the database is) when it does not exist."""
         store = self._stores.get(collection)
         if store is None:
             from ..retrieval.chroma import ChromaChunkStore
 
-            store = self._stores[collection] = ChromaChunkStore(self.home, collection, host=self.host, port=self.port)
+            try:
+                store = ChromaChunkStore(self.home, collection, host=self.host, port=self.port, create=False)
+            except CollectionNotFoundError as e:
+                logger.info("retrieval from a missing collection: %s", e)
+                raise CollectionNotFoundError(f"no collection {collection!r} on this server; fill it with "
+                                              f"`cacheblend-rag ingest PATH --collection {collection}`") from None
+            self._stores[collection] = store
         return [hit.text for hit in store.query(question, k)]
+
+
+def admit_documents(engine, call: EngineCall) -> EngineCall:
+    """The call with its document texts tokenized (Chunks), for the engine's worker to skip that work; refused
+    with PromptTooLongError when their tokens alone exceed the context window. Runs off the worker thread."""
+    chunks: list[str | Chunk] = []
+    for doc in call.documents:
+        # a chunk id is looked up by the engine (cheap); a text is tokenized here, outside the engine's lock
+        chunks.append(doc if isinstance(doc, Chunk) or looks_like_chunk_id(doc) else make_chunk(doc, engine.tokenizer))
+    tokens = sum(c.num_tokens for c in chunks if isinstance(c, Chunk))
+    if tokens > engine.context_window:
+        raise PromptTooLongError(f"the documents have {tokens} tokens, more than the model's context window of "
+                                 f"{engine.context_window} tokens; send fewer or shorter documents")
+    return replace(call, documents=tuple(chunks))
 
 
 def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) -> Iterator[str]:

@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -124,13 +125,65 @@ class Job:
 _STOP = object()
 
 
+class _JobQueue:
+    """A bounded FIFO of jobs in which a cancelled job stops counting at once: it holds no slot and is not in the
+    depth, so a client that left frees its place for the next one (it gets its Failed event as it leaves)."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+
+    def _drop_cancelled(self) -> None:
+        """Under the condition's lock: take the cancelled jobs out, each told why."""
+        kept: deque = deque()
+        for item in self._items:
+            if item is not _STOP and item.cancelled:
+                item.emit(Failed(Cancelled("the request was cancelled while it waited")))
+            else:
+                kept.append(item)
+        self._items = kept
+
+    def put_nowait(self, job: "Job") -> None:
+        """Queue a job; queue.Full when `maxsize` live jobs already wait."""
+        with self._cond:
+            self._drop_cancelled()
+            if len(self._items) >= self.maxsize:
+                raise queue.Full
+            self._items.append(job)
+            self._cond.notify()
+
+    def put_stop(self) -> None:
+        """Queue the worker's stop marker (never refused)."""
+        with self._cond:
+            self._items.append(_STOP)
+            self._cond.notify()
+
+    def get(self, block: bool = True):
+        """The next job (or the stop marker); queue.Empty when none waits and `block` is False."""
+        with self._cond:
+            while True:
+                self._drop_cancelled()
+                if self._items:
+                    return self._items.popleft()
+                if not block:
+                    raise queue.Empty
+                self._cond.wait()
+
+    def qsize(self) -> int:
+        """Live jobs waiting."""
+        with self._cond:
+            self._drop_cancelled()
+            return sum(1 for item in self._items if item is not _STOP)
+
+
 class _QueueWorker:
     """A bounded FIFO of jobs and the one worker thread that takes them (`_work`, per scheduler)."""
 
     def __init__(self, max_queue: int) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be ≥ 1, got {max_queue}")
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._queue = _JobQueue(max_queue)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -147,14 +200,14 @@ class _QueueWorker:
             raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
 
     def depth(self) -> int:
-        """Jobs waiting for the engine (not counting those it is working on)."""
+        """Live jobs waiting for the engine (not counting those it is working on, nor cancelled ones)."""
         return self._queue.qsize()
 
     def stop(self, timeout: float | None = None) -> None:
         """Let the worker finish the queued and running jobs, then end it."""
         if self._thread is None:
             return
-        self._queue.put(_STOP)
+        self._queue.put_stop()
         self._thread.join(timeout)
         self._thread = None
 

@@ -8,17 +8,44 @@ as other OpenAI-compatible servers do, so stock clients work unchanged; fields w
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..decode.generate import SEED_MAX, SEED_MIN
 from ..fuse.policies import METHODS
 from ..ingest.chunks import looks_like_chunk_id
 
 MAX_STOP = 4  # as OpenAI
+# Chroma's own rule for collection names: 3-512 of [A-Za-z0-9._-], alphanumeric at both ends, no "..", not an IP
+_COLLECTION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,510}[A-Za-z0-9]")
 
 
-class Document(BaseModel):
+def _utf8(value: Any, where: str) -> None:
+    """Refuse text that cannot be encoded (a lone surrogate, legal in JSON escapes): the tokenizer would fail."""
+    texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)] \
+        if isinstance(value, list) else []
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} is not valid text ({e.reason} at position {e.start}); send UTF-8 text") \
+                from None
+
+
+class _Body(BaseModel):
+    """A part of a request body: its text fields must be encodable text."""
+
+    @field_validator("*")
+    @classmethod
+    def _encodable(cls, value: Any, info) -> Any:
+        _utf8(value, info.field_name)
+        return value
+
+
+class Document(_Body):
     """A passage given inline: its text, with an optional client-side id (echoed in the stats)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -39,7 +66,7 @@ class Document(BaseModel):
         return self
 
 
-class Retrieval(BaseModel):
+class Retrieval(_Body):
     """Retrieve passages from the server's Chroma collection with the question (the last user message)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -49,8 +76,24 @@ class Retrieval(BaseModel):
     k: int = Field(default=6, ge=1, le=64)
     """How many chunks to retrieve."""
 
+    @field_validator("collection")
+    @classmethod
+    def _chroma_name(cls, value: str) -> str:
+        if not _COLLECTION_NAME.fullmatch(value) or ".." in value or _is_ip(value):
+            raise ValueError(f"{value!r} is not a collection name: 3 to 512 letters, digits, '.', '_' or '-', "
+                             "starting and ending with a letter or digit, no '..'")
+        return value
 
-class CacheBlendOptions(BaseModel):
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+class CacheBlendOptions(_Body):
     """How the prompt's chunks are fused: the engine's method and CacheBlend's hyper-parameters."""
 
     model_config = ConfigDict(extra="forbid")
@@ -91,13 +134,13 @@ class CacheBlendOptions(BaseModel):
         return options
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Body):
     """OpenAI's `stream_options`."""
 
     include_usage: bool = False
 
 
-class _Generation(BaseModel):
+class _Generation(_Body):
     """Fields shared by both routes: sampling, streaming and the RAG extensions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -107,7 +150,7 @@ class _Generation(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -157,7 +200,7 @@ class _Generation(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ContentPart(BaseModel):
+class ContentPart(_Body):
     """One part of a message's content; only text parts are understood."""
 
     model_config = ConfigDict(extra="ignore")
@@ -166,7 +209,7 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     """One chat message."""
 
     model_config = ConfigDict(extra="ignore")

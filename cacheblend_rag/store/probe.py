@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,10 +249,11 @@ def _probe_codecs() -> dict[str, CodecProfile]:
 CONSERVATIVE_REMOTE = TierProfile("redis", 125e6)  # 1 Gbit/s, when a remote tier cannot be measured
 
 
-def auto_codec(tier: str, root: str | Path | None = None, *, profile: TierProfile | None = None) -> str:
+def auto_codec(tier: str, root: str | Path | None = None, *, profile: TierProfile | None = None,
+               codecs: Mapping[str, CodecProfile] | None = None) -> str:
     """The codec for a "codec=auto" tier: measures the tier (memory copy, or a cold read under `root` for disk;
-    a remote tier passes its own measured `profile`, None when it could not measure) and the codecs' decode speed
-    once per process, and returns choose_codec's pick."""
+    a remote tier passes its own measured `profile`, None when it could not measure) and, unless `codecs` gives
+    them, the codecs' decode speed once per process, and returns choose_codec's pick."""
     if tier not in ("memory", "disk"):
         if profile is None:
             profile = CONSERVATIVE_REMOTE
@@ -266,7 +268,7 @@ def auto_codec(tier: str, root: str | Path | None = None, *, profile: TierProfil
             profile = CONSERVATIVE_DISK if tier == "disk" else CONSERVATIVE_MEMORY
             logger.warning("cannot measure the %s tier (%s); assuming %.2f GB/s", tier, e,
                            profile.read_bytes_per_s / 1e9)
-    choice = choose_codec(profile, _probe_codecs())
+    choice = choose_codec(profile, dict(codecs) if codecs is not None else _probe_codecs())
     logger.info("the %s tier codes KV with %s (estimated s per fp16 MB: %s)", tier, choice.codec,
                 {k: round(v, 5) for k, v in choice.seconds_per_mb.items()})
     return choice.codec

@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -35,7 +36,7 @@ from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
 from .codecs import CODECS, CodecError, KVCodec, RawCodec, get_codec
 
 if TYPE_CHECKING:
-    from .probe import TierProfile
+    from .probe import CodecProfile, TierProfile
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -129,6 +130,9 @@ class RedisStore:
     Eviction is Redis's own (`maxmemory` + `maxmemory-policy allkeys-lru`): an entry is one key, so it goes whole.
     After a failed call (connection refused, timeout), calls in the next `retry_after_s` seconds are not tried
     (counted as `skipped`), so a dead or slow Redis costs a request at most one timeout per back-off period.
+    `codec="auto"` measures this connection's read speed and stores with the codec that is fastest to fetch and
+    decode; `codec_profiles` gives the codecs' sizes and decode speeds it decides from (default: measured once per
+    process).
     """
 
     def __init__(
@@ -142,6 +146,7 @@ class RedisStore:
         max_connections: int = 32,
         retry_after_s: float = 1.0,
         codec: str | KVCodec = "fp16",
+        codec_profiles: Mapping[str, CodecProfile] | None = None,
     ) -> None:
         redis = _import_redis()
         if not prefix or not all(c.isalnum() or c in "-_." for c in prefix):
@@ -185,7 +190,7 @@ class RedisStore:
         if codec == "auto":  # measured over this connection: a remote link is what the choice is about
             from .probe import auto_codec
 
-            codec = auto_codec("redis", profile=self.measure_read())
+            codec = auto_codec("redis", profile=self.measure_read(), codecs=codec_profiles)
         codec = get_codec(codec) if isinstance(codec, str) else codec
         # A raw codec keeps the version-1 layout (fp16 stores in `dtype`, as before; bf16/fp32 in theirs).
         self.codec: KVCodec | None = None if isinstance(codec, RawCodec) else codec

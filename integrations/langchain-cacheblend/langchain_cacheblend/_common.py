@@ -129,6 +129,14 @@ class EngineFields(BaseModel):
 
     _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
 
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, CacheBlendEngine):  # TypeError: pydantic passes it on as is
+            raise TypeError(f"engine must be a CacheBlendEngine (or None to build one from `model`), got "
+                            f"{type(value).__name__}")
+        return value
+
     @field_validator("method")
     @classmethod
     def _check_method(cls, value: str) -> str:

@@ -37,6 +37,20 @@ def with_chunk_ids(docs: Sequence[Document]) -> list[Document]:
     return out
 
 
+def _as_documents(items: Any) -> list[Document]:
+    """What a base returned, as Documents: a plain string is a passage; anything else is refused by name."""
+    out = []
+    for item in [items] if isinstance(items, (str, Document)) else items:
+        if isinstance(item, str):
+            out.append(Document(page_content=item))
+        elif isinstance(item, Document):
+            out.append(item)
+        else:
+            raise ConfigError(f"ChunkIdRetriever.base returned a {type(item).__name__}; it must return Documents "
+                              "(or strings)")
+    return out
+
+
 def _check_k(k: Any) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"k must be a positive int, got {k!r}")
@@ -88,7 +102,7 @@ class ChunkIdRetriever(BaseRetriever):
             docs = self.base.invoke(query)
         else:
             raise ConfigError(f"ChunkIdRetriever.base must be a retriever or a VectorStore, got {type(self.base).__name__}")
-        docs = with_chunk_ids(docs)
+        docs = with_chunk_ids(_as_documents(docs))
         return docs[:k] if k is not None else docs
 
 

@@ -211,6 +211,24 @@ def test_chunk_id_retriever_honours_k(embeddings):
         retriever.invoke(QUESTION, k=0)
 
 
+def test_wrong_engines_seeds_and_string_retrievers_are_named(engine):
+    """A wrong-typed engine raised a bare AttributeError, a huge per-call seed torch's ValueError, and a base
+    retriever returning strings an AttributeError."""
+    from langchain_core.runnables import RunnableLambda
+
+    with pytest.raises(TypeError, match="CacheBlendEngine"):
+        ChatCacheBlend(engine="smollm2-135m")
+    with pytest.raises(TypeError, match="CacheBlendEngine"):
+        CacheBlendLLM(engine=object())
+    with pytest.raises(ConfigError, match="seed"):
+        ChatCacheBlend(engine=engine, max_tokens=2).invoke("Hi", seed=2**80, temperature=0.7)
+    texts = ["Bees have five eyes.", "Queens are fed royal jelly."]
+    docs = ChunkIdRetriever(base=RunnableLambda(lambda q: texts)).invoke("eyes")
+    assert [d.page_content for d in docs] == texts and [d.id for d in docs] == [chunk_id(t) for t in texts]
+    with pytest.raises(ConfigError, match="returned a int"):
+        ChunkIdRetriever(base=RunnableLambda(lambda q: [1, 2])).invoke("eyes")
+
+
 @pytest.mark.slow
 def test_a_script_that_stops_a_stream_and_exits_exits_cleanly():
     """Defect 1: a script that stopped reading a stream and exited aborted (exit 134) about half the time."""

@@ -97,6 +97,22 @@ def test_metadata_is_the_models_own(li_engine):
     assert llm.complete("Tell me about bees.", max_tokens=2).additional_kwargs["num_generated"] <= 2
 
 
+def test_constructor_fields_engine_and_chunks_are_checked(li_engine):
+    """Unknown fields, a wrong-typed engine and a bad window were accepted; a chunks string became characters."""
+    with pytest.raises(ValueError, match="recompute_rato"):
+        CacheBlendLLM(engine=li_engine, recompute_rato=0.9)
+    with pytest.raises(ValueError, match="context_window"):
+        CacheBlendLLM(engine=li_engine, context_window=-5)
+    with pytest.raises(TypeError, match="CacheBlendEngine"):
+        CacheBlendLLM(engine="smollm2-135m")
+    llm = CacheBlendLLM(engine=li_engine, max_new_tokens=2)
+    passage = "Honeybees have five eyes: two large compound eyes and three small ocelli."
+    out = llm.complete("ignored", chunks=passage, question="How many eyes does a honeybee have?")
+    assert out.additional_kwargs["chunk_ids"] == [chunk_id(passage)]  # one chunk, not one per character
+    with pytest.raises(ConfigError, match="chunks must be"):
+        llm.complete("Hi", chunks=42)
+
+
 def test_as_query_engine_uses_settings_llm(folder, li_engine, settings_llm, monkeypatch):
     """Defect 4: as_query_engine(index) ignored Settings.llm and loaded a second model."""
     index = build_index(load_documents([folder]), li_engine)

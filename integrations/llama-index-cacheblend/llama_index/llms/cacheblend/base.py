@@ -28,8 +28,8 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.llms.llm import default_completion_to_prompt
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
@@ -207,6 +207,9 @@ class CacheBlendLLM(CustomLLM):
         ['chunk_hits', 'chunk_ids', 'chunk_misses']
     """
 
+    # a misspelt field (recompute_rato=0.9) is an error, never a silently kept default
+    model_config = ConfigDict(extra="forbid")
+
     model_name: str = Field(default=DEFAULT_MODEL, description="Packaged model alias, local model folder or "
                             "Hugging Face hub id (org/name, read from the HF cache); with `engine=`, the engine's "
                             "own model name.")
@@ -214,7 +217,7 @@ class CacheBlendLLM(CustomLLM):
     trust_remote_code: bool = Field(default=False, description="Run a hub repo's own modelling code (off: it is "
                                     "code from the repo's authors).")
     tokenizer_name: str | None = Field(default=None, description="Ignored: the model folder's tokenizer is used.")
-    context_window: int | None = Field(default=None, description="Context window (None: the model's own).")
+    context_window: int | None = Field(default=None, gt=0, description="Context window (None: the model's own).")
     max_new_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
     generate_kwargs: dict = Field(default_factory=dict, description="temperature, top_p, seed, stop, do_sample.")
     device_map: str = Field(default="auto", description="Device of a lazily built engine ('auto', 'cpu', 'cuda').")
@@ -229,6 +232,9 @@ class CacheBlendLLM(CustomLLM):
     _last: dict = PrivateAttr(default_factory=dict)
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
+        if engine is not None and not isinstance(engine, CacheBlendEngine):
+            raise TypeError(f"engine must be a CacheBlendEngine (or None to build one from model_name), got "
+                            f"{type(engine).__name__}")
         if "max_tokens" in kwargs:
             kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
         super().__init__(**kwargs)
@@ -299,7 +305,12 @@ class CacheBlendLLM(CustomLLM):
         chunks = kwargs.pop("chunks", None)
         question = kwargs.pop("question", None)
         kwargs.pop("formatted", None)
+        if isinstance(chunks, str):  # one chunk, never its characters
+            chunks = [chunks]
         if chunks is not None:
+            if not isinstance(chunks, Sequence) or not all(isinstance(c, str) for c in chunks):
+                raise ConfigError(f"chunks must be a string or a list of strings (texts or chunk ids), got "
+                                  f"{type(chunks).__name__}")
             chunks = [c for c in chunks if looks_like_chunk_id(c) or normalize_text(c)]  # empty chunks skipped
         return chunks, question, self._settings(kwargs)
 

@@ -1,0 +1,210 @@
+"""What a request may cost the server before it reaches the engine: the API key checked from the headers alone,
+a capped body read within a deadline, request headers due within a deadline, and a prompt too big for the context
+window refused from its character count.
+
+    connection ─▶ headers within --header-timeout (HeaderDeadline) ─▶ key? else 401, body unread (RequestGuard)
+               ─▶ body ≤ --max-body-bytes (413) within --body-timeout (408) ─▶ routes ─▶ size checks ─▶ queue
+
+A refusal sent before the body was read closes the connection (`Connection: close`): what the client still sends
+is never read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from ..errors import PromptTooLongError
+from ..ingest.chunks import looks_like_chunk_id, normalize_text
+from .runner import EngineCall
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Refusal = Callable[[int, str, str, dict[str, str]], Any]  # (status, message, code, headers) → an ASGI response
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _BodyTooSlow(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def authorized(headers: Iterable[tuple[bytes, bytes]], api_key: str) -> bool:
+    """Whether the raw headers carry `Authorization: Bearer <api_key>` (compared in constant time)."""
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return False
+
+
+def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP parser refuses a malformed one before the app sees it
+    return None
+
+
+async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
+    """The whole request body, at most `limit` bytes, all of it within `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise _BodyTooSlow
+        try:
+            message = await asyncio.wait_for(receive(), remaining)
+        except TimeoutError:
+            raise _BodyTooSlow from None
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise _BodyTooLarge
+        parts.append(body)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+class RequestGuard:
+    """ASGI middleware in front of the routes: the API key is checked from the headers (401 without reading the
+    body), then the body is read whole, at most `max_body_bytes` (413) and within `body_timeout_s` (408), and
+    handed to the app. `open_paths` need no key."""
+
+    def __init__(self, app, *, api_key: str | None, open_paths: frozenset[str], max_body_bytes: int,
+                 body_timeout_s: float, refuse: Refusal) -> None:
+        self.app, self.api_key, self.open_paths = app, api_key, open_paths
+        self.max_body_bytes, self.body_timeout_s, self.refuse = max_body_bytes, body_timeout_s, refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope["headers"]
+        close = {"Connection": "close"}  # the body is left unread: the connection cannot carry another request
+        if self.api_key is not None and scope["path"] not in self.open_paths and not authorized(headers, self.api_key):
+            response = self.refuse(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                                   "invalid_api_key", {**close, "WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        declared = _content_length(headers)
+        if declared is not None and declared > self.max_body_bytes:
+            return await self._too_large(scope, receive, send)
+        try:
+            body = await read_body(receive, self.max_body_bytes, self.body_timeout_s)
+        except _BodyTooLarge:
+            return await self._too_large(scope, receive, send)
+        except _BodyTooSlow:
+            response = self.refuse(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                                   "request_timeout", close)
+            return await response(scope, receive, send)
+        except _ClientGone:
+            return None  # nobody to answer
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: http.disconnect, which the routes watch for
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = self.refuse(413, f"the request body is larger than this server's limit of {self.max_body_bytes} "
+                               "bytes (--max-body-bytes)", "request_too_large", {"Connection": "close"})
+        await response(scope, receive, send)
+
+
+def header_deadline_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose next request's headers are not complete `timeout_s`
+    after it opened (or after its previous response): uvicorn itself times out only idle keep-alive connections,
+    and only after a first response, so a client sending its headers a byte at a time would hold a socket forever.
+    """
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._disarm_once_started()
+
+        def on_response_complete(self) -> None:
+            self._arm()  # the next request's headers are due within the deadline too
+            super().on_response_complete()
+            self._disarm_once_started()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _disarm_once_started(self) -> None:
+            if self.conn.their_state is not h11.IDLE:  # the request line and headers are in
+                self._disarm()
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of this tokenizer can stand for (its longest vocabulary entry; a byte-level
+    entry is at least as long as the text it encodes): a text of N characters has at least N / this tokens."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(t) for t in tokens if t), default=1)
+
+
+def prompt_chars(call: EngineCall, normalize: Callable[[str], str] = str) -> int:
+    """Characters of the text the engine will tokenize for this call, each text as `normalize` leaves it (chunk ids
+    not counted)."""
+    if not call.documents and call.retrieval is None and call.messages:
+        return sum(len(normalize(m["content"])) for m in call.messages)
+    docs = sum(len(normalize(d)) for d in call.documents if isinstance(d, str) and not looks_like_chunk_id(d))
+    return docs + len(normalize(call.question)) + len(normalize(call.system or ""))
+
+
+def check_fits(call: EngineCall, context_window: int, chars_per_token: int) -> None:
+    """PromptTooLongError when the call's text has more characters than the context window could hold even if every
+    token were the longest one: refused without tokenizing."""
+    bound = context_window * chars_per_token
+    if prompt_chars(call) <= bound:
+        return
+    chars = prompt_chars(call, normalize_text)  # the engine strips whitespace first: count what it keeps
+    if chars > bound:
+        raise PromptTooLongError(f"the prompt's {chars} characters cannot fit the model's context window of "
+                                 f"{context_window} tokens (at most {chars_per_token} characters a token); send "
+                                 "fewer or shorter documents")

@@ -1,0 +1,286 @@
+"""What a request may cost `cacheblend-rag serve`, against a real server subprocess and raw sockets: the key is
+checked before the body is read, the body is capped, headers are due within a deadline, oversized prompts and bad
+input are refused before they reach the engine's worker, a missing Chroma collection is a 404 that creates
+nothing, and clients that left give their queue slots back.
+
+The server serves a tiny random-weight Llama with a 16k context (saved with the real tokenizer): its decode steps
+take milliseconds, so a request with a large max_tokens keeps the one engine slot busy while the queue is probed,
+and is cancelled (its stream closed) when the test is done with it.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from test_serve import ServerProcess, _home  # noqa: E402
+
+MODEL = "tiny-llama-16k"
+KEY = "limits-key-9d2e"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BODY = 2 * 1024**2
+MAX_DOCUMENTS = 16
+CONTEXT = 16384
+BUSY_TOKENS = CONTEXT - 512  # a request that keeps the engine busy until its stream is closed
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tokenizer):
+    from conftest import tiny_model
+
+    folder = tmp_path_factory.mktemp("models") / MODEL
+    tiny_model("llama", len(tokenizer), max_position_embeddings=CONTEXT).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return _home(tmp_path_factory.mktemp("serve-limits"))
+
+
+@pytest.fixture(scope="module")
+def server(home, tiny_folder):
+    # one request decodes at a time and two may wait, so the queue can be filled and watched
+    srv = ServerProcess(home, "--model", str(tiny_folder), "--api-key", KEY, "--max-batch", "1", "--max-queue", "2",
+                        "--max-body-bytes", str(MAX_BODY), "--max-documents", str(MAX_DOCUMENTS),
+                        "--header-timeout", "2", "--timeout", "1800")
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=600)
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _status(raw: bytes) -> int | None:
+    head = raw.split(b"\r\n", 1)[0].split()
+    return int(head[1]) if len(head) >= 2 and head[0].startswith(b"HTTP/") else None
+
+
+def _upload(port: int, headers: dict[str, str], limit: int) -> tuple[int | None, int, bytes]:
+    """POST a chunked body of up to `limit` bytes, stopping as soon as the server answers: (status or None when it
+    never answered, bytes of body sent, the raw answer)."""
+    chunk = b"x" * 65536
+    frame = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "localhost", "Content-Type": "application/json",
+                                                 "Transfer-Encoding": "chunked", **headers}.items())
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode())
+        try:
+            while sent < limit and not select.select([sock], [], [], 0)[0]:
+                sock.sendall(frame)
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed: its answer is still to be read
+        except TimeoutError:
+            return None, sent, b""  # it stopped reading without answering
+        if not select.select([sock], [], [], 5)[0]:
+            return None, sent, b""
+        try:
+            raw = sock.recv(65536)
+        except ConnectionResetError:
+            raw = b""
+    return _status(raw), sent, raw
+
+
+def _error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+def _post(server, body: dict | bytes, headers: dict[str, str] | None = None, timeout: float = 120) -> httpx.Response:
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    return httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH if headers is None else headers,
+                      timeout=timeout, **kw)
+
+
+def _chat_body(**extra) -> dict:
+    return {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Name a bee."}], **extra}
+
+
+class Busy:
+    """A streamed request holding the one engine slot (`--max-batch 1`) until `release()` closes it."""
+
+    def __init__(self, client) -> None:
+        self.stream = client.chat.completions.create(
+            model=MODEL, max_tokens=BUSY_TOKENS, stream=True, messages=[{"role": "user", "content": "Go on."}])
+        next(iter(self.stream))  # the engine is on it now
+
+    def release(self) -> None:
+        self.stream.close()  # the client leaves: the server cancels it
+
+
+# ---- 1: the key before the body; the body capped -------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_no_key_is_answered_401_before_the_body_is_read(server):
+    rss_before = _rss_bytes(server.proc.pid)
+    status, sent, raw = _upload(server.port, {}, limit=256 * 1024**2)
+    assert status == 401, (sent, raw[:300])
+    assert sent < 64 * 1024**2  # answered while the client was still sending, not after 256 MiB
+    assert b"invalid_api_key" in raw and b"connection: close" in raw.lower()
+    assert _rss_bytes(server.proc.pid) - rss_before < 64 * 1024**2
+    r = _post(server, b"{not json", headers={})  # malformed and unauthenticated: the key is what is wrong
+    assert r.status_code == 401 and _error(r)["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # needs no key
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_body_over_the_cap_is_413_and_never_held(server):
+    rss_before = _rss_bytes(server.proc.pid)
+    status, sent, raw = _upload(server.port, AUTH, limit=256 * 1024**2)
+    assert status == 413, (sent, raw[:300])
+    assert sent < 64 * 1024**2
+    assert _rss_bytes(server.proc.pid) - rss_before < 64 * 1024**2
+    declared = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, content=b" " * (MAX_BODY + 1),
+                          timeout=60)  # a Content-Length over the cap: refused from the header
+    assert declared.status_code == 413 and _error(declared)["code"] == "request_too_large"
+    r = _post(server, b"{not json")  # with the key, a malformed body is the client's 400 as before
+    assert r.status_code == 400
+
+
+# ---- idle and half-sent connections ----------------------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_half_sent_headers_are_closed_and_others_still_served(server, client):
+    socks = []
+    try:
+        for _ in range(8):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")  # never finished
+            socks.append(sock)
+        idle = socket.create_connection(("127.0.0.1", server.port), timeout=60)  # sends nothing at all
+        socks.append(idle)
+        out = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert out.choices[0].message.content is not None
+        for sock in socks:  # --header-timeout 2: the server hangs up (the 60 s is only a bound against a hang)
+            assert sock.recv(1024) == b""
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+# ---- 2: oversized prompts refused before they queue -------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_too_many_or_too_long_documents_are_refused_without_queueing(server, client):
+    busy = Busy(client)
+    waiting: list = []
+    threads = [threading.Thread(target=lambda: waiting.append(_post(server, _chat_body(), timeout=600)))
+               for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        server.wait_for(lambda h: h["queue_depth"] == 2, "the queue full")
+        # the queue is full: a request that reaches it gets 429; these are refused for their size first
+        many = _post(server, _chat_body(documents=[f"passage {i} about bees" for i in range(MAX_DOCUMENTS + 1)]))
+        assert many.status_code == 400 and _error(many)["code"] == "too_many_documents", many.text
+        long_docs = ["honeybee " * 12_000] * MAX_DOCUMENTS  # 1.7M characters: more than 16k tokens can hold
+        long = _post(server, _chat_body(documents=long_docs))
+        assert long.status_code == 400 and _error(long)["code"] == "context_length_exceeded", long.text
+        assert server.health()["running"] == 1  # all the while the engine was busy with another request
+        full = _post(server, _chat_body())
+        assert full.status_code == 429  # a request that fits does reach the (full) queue
+    finally:
+        busy.release()
+        for t in threads:
+            t.join(600)
+    assert [r.status_code for r in waiting] == [200, 200]
+
+
+# ---- 7: a client that left gives its queue slot back ------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_clients_gone_while_queued_free_their_slots(server, client):
+    busy = Busy(client)
+    body = json.dumps(_chat_body()).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    try:
+        for _ in range(2):  # two non-streaming requests whose clients give up while they wait
+            with socket.create_connection(("127.0.0.1", server.port)) as sock:
+                sock.sendall(request)
+                server.wait_for(lambda h: h["queue_depth"] >= 1, "a request queued")
+        server.wait_for(lambda h: h["queue_depth"] == 0 or h["running"] == 0, "the queue emptied")
+        health = server.health()
+        assert health["queue_depth"] == 0 and health["running"] == 1, health  # freed while the engine is busy
+        accepted: list = []
+        thread = threading.Thread(target=lambda: accepted.append(_post(server, _chat_body(), timeout=600)))
+        thread.start()
+        server.wait_for(lambda h: h["queue_depth"] == 1 or bool(accepted), "the next request queued")
+        assert not accepted or accepted[0].status_code != 429
+    finally:
+        busy.release()
+    thread.join(600)
+    assert accepted and accepted[0].status_code == 200
+
+
+# ---- 5: input the tokenizer or the sampler cannot take is a 400 -------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_unencodable_text_and_a_huge_seed_are_400(server, home):
+    lone_surrogate = "Bees \\ud800 dance."  # a JSON escape Python decodes to a lone surrogate
+    bodies = [
+        f'{{"model": "{MODEL}", "max_tokens": 2, "messages": [{{"role": "user", "content": "Why?"}}], '
+        f'"documents": ["{lone_surrogate}"]}}',
+        f'{{"model": "{MODEL}", "max_tokens": 2, "messages": [{{"role": "system", "content": "{lone_surrogate}"}}, '
+        f'{{"role": "user", "content": "Why?"}}], "documents": ["Bees dance to point at flowers."]}}',
+        json.dumps(_chat_body(seed=2**70, temperature=0.7)),
+    ]
+    for raw in bodies:
+        r = _post(server, raw.encode(), headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == 400, (raw, r.text)
+        assert _error(r)["type"] == "invalid_request_error"
+    assert "Traceback" not in server.log.read_text()
+
+
+# ---- 3, 4: retrieval never creates a collection; a bad name is a 400 without paths --------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_retrieval_from_a_missing_collection_is_404_and_creates_nothing(server, home):
+    r = _post(server, _chat_body(retrieval={"collection": "never_ingested", "k": 2}))
+    assert r.status_code == 404 and _error(r)["code"] == "collection_not_found", r.text
+    assert "never_ingested" in _error(r)["message"] and str(home) not in r.text
+    assert not (home / "chroma").exists()  # a read wrote nothing: no database, no collection
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_bad_collection_name_is_400_without_server_paths(server, home):
+    for name in ("../../../x", "a/b/c", "..", "x" * 600, "127.0.0.1"):
+        r = _post(server, _chat_body(retrieval={"collection": name}))
+        assert r.status_code == 400, (name, r.text)
+        assert str(home) not in r.text and "/chroma" not in r.text
+    assert not (home / "chroma").exists()
