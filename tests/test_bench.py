@@ -330,3 +330,39 @@ def test_loading_bench_compares_tiers_and_auto(tokenizer, tmp_path):
     assert list((tmp_path / "profiles").glob("*.json"))  # measured once, before the timed requests
     table = format_loading(result).splitlines()
     assert len([line for line in table if line.startswith("| disk")]) == 2 + 3
+
+
+def test_faq_set_is_seeded_and_each_answer_is_in_one_chunk():
+    from cacheblend_rag.bench.faq import correct, faq_set
+
+    first, again = faq_set(12, k=4, seed=3), faq_set(12, k=4, seed=3)
+    assert [q.question for q in first] == [q.question for q in again] and first != faq_set(12, k=4, seed=4)
+    for q in first:
+        assert len(q.chunks) == 4 and len(set(q.chunks)) == 4
+        assert [q.answer in c for c in q.chunks].count(True) >= 1 and q.answer in q.chunks[q.gold]
+    assert correct("The warranty is 24 months.", "24 months") and correct("24", "24 months")
+    assert correct("It was founded by mira okafor!", "Mira Okafor") and not correct("Mira Novak", "Mira Okafor")
+
+
+@pytest.mark.model
+def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
+    """`bench --frames`: every entry point's prompt against the model's own forward of it; full prefill is that
+    forward (KL ≈ 0 in fp32); `bench --faq` scores answers."""
+    from conftest import musique_path
+
+    out = tmp_path / "out"
+    assert cli_main(["bench", str(musique_path()), "--frames", "--limit", "1", "--chunks", "3", "--dtype", "float32",
+                     "--max-new-tokens", "4", "--out", str(out), "-q"]) == 0
+    result = json.loads((out / "frames.json").read_text())
+    rows = {(r["frame"], r["method"]): r for r in result["summary"]}
+    assert {f for f, _ in rows} == {"chain", "chat", "string", "langchain", "llama_index"}
+    for frame in ("chain", "chat", "string", "langchain", "llama_index"):
+        assert rows[(frame, "full_prefill")]["kl_vs_model"] < 1e-4
+        assert rows[(frame, "cacheblend@0.15")]["chunk_hits"] == 3  # every frame's prompt found its chunks
+        assert rows[(frame, "full_reuse")]["kl_vs_model"] > rows[(frame, "full_prefill")]["kl_vs_model"]
+    assert cli_main(["bench", "--faq", "--limit", "2", "--k", "3", "--dtype", "float32", "--max-new-tokens", "8",
+                     "--out", str(out), "-q"]) == 0
+    faq = json.loads((out / "faq.json").read_text())
+    pairs = {(r["frame"], r["method"]) for r in faq["summary"]}
+    assert pairs >= {("chat", "full_prefill"), ("string", "cacheblend@0.15")}
+    assert len(faq["records"]) == 2 * 2 * 3 and "| string | cacheblend@0.15 |" in (out / "faq.md").read_text()

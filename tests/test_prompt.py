@@ -177,8 +177,8 @@ def test_full_prefill_of_chat_messages_is_the_models_forward_over_the_chat_templ
                 {"role": "user", "content": "Notes: " + " ".join(TEXTS) + f" Question: {QUESTION}"}]
     expected_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                         return_dict=True)["input_ids"]
-    for method in ("full_prefill", "cacheblend"):
-        pre = engine.prefill_prompt(messages, method=method, **({"recompute_ratio": 1.0} if method != "full_prefill" else {}))
+    for method, ratio in (("full_prefill", None), ("cacheblend", 1.0)):
+        pre = engine.prefill_prompt(messages, method, ratio)
         assert pre.token_ids.tolist() == list(expected_ids)
         with torch.no_grad():
             expected = engine.model(torch.tensor([expected_ids])).logits[0, -1]

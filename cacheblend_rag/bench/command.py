@@ -12,6 +12,8 @@
     cacheblend-rag bench --limit 8 --serve-load --requests 16 --out bench-serve   # the server under HTTP load
     cacheblend-rag bench --faults --limit 4 --chunks 3 --max-new-tokens 8   # 2 replicas + Redis under faults
     cacheblend-rag bench --shared-tier --limit 9                             # Redis hit vs memory hit; codecs at 1 Gbit/s
+    cacheblend-rag bench --frames --limit 20 --dtype bfloat16                # KL vs the model's own forward, per frame
+    cacheblend-rag bench --faq --limit 40 --k 4 --max-new-tokens 16         # answer accuracy on made-up FAQ chunks
 
 The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
 folder. Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under
@@ -88,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument("--clients", type=int, default=4, metavar="C", help="client threads of --faults (default 4)")
     mode.add_argument("--fault-scenarios", default=None, metavar="NAMES",
                       help="comma-separated --faults scenarios to run (default: all; faults.SCENARIOS)")
+    modes.add_argument("--frames", action="store_true",
+                       help="fidelity per entry point: first-token KL vs the model's own forward of each frame's "
+                            "prompt (chain, chat, string, LangChain, LlamaIndex), agreement, TTFT")
+    modes.add_argument("--faq", action="store_true",
+                       help="answer accuracy on a generated FAQ set (made-up products, one fact per question; "
+                            "--limit questions, --k chunks each) in the chat and string frames")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -169,7 +177,11 @@ def _dtype(engine) -> str:
 
 def execute(args: argparse.Namespace) -> dict:
     """Run what the parsed args describe; prints the tables, writes the outputs; returns the result."""
+    if args.faq:
+        return _faq(args)
     dataset = _dataset(args)
+    if args.frames:
+        return _frames(args, dataset)
     if args.breakdown:
         return _breakdown(args, dataset)
     if args.decode:
@@ -243,6 +255,42 @@ def _benchmark(args: argparse.Namespace, dataset: Path) -> dict:
     if args.out:
         paths = write_outputs(result, args.out)
         print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return result
+
+
+def _frames(args: argparse.Namespace, dataset: Path) -> dict:
+    """`--frames`: each entry point's prompt, KL vs the model's own forward of it; prints and writes frames.md."""
+    from .frames import format_frames, run_frames
+    from .report import machine, write_table
+
+    items, engine = _questions_and_engine(args, dataset)
+    result = run_frames(engine, items, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
+                        show_progress=not args.quiet)
+    result["meta"] = {"questions": len(items), "chunks": args.chunks, "model": args.model, "dtype": _dtype(engine),
+                      "machine": machine()}
+    table = format_frames(result["summary"])
+    header = f"{len(items)} questions × {args.chunks} passages, {_dtype(engine)}; {machine()}"
+    print(f"\n{header}\n{table}")
+    if args.out:
+        print("wrote " + ", ".join(str(p) for p in write_table(args.out, "frames", header, table, result)))
+    return result
+
+
+def _faq(args: argparse.Namespace) -> dict:
+    """`--faq`: accuracy on the generated FAQ set in the chat and string frames; prints and writes faq.md."""
+    from ..engine import CacheBlendEngine
+    from .frames import format_faq, run_faq
+    from .report import machine, write_table
+
+    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=args.kv_store, device=args.device,
+                                              dtype=args.dtype, home=args.home, lead_in=args.lead_in)
+    result = run_faq(engine, num_questions=args.limit or 40, k=args.k, seed=args.seed,
+                     max_new_tokens=args.max_new_tokens, show_progress=not args.quiet)
+    table = format_faq(result["summary"])
+    header = f"{args.limit or 40} FAQ questions, k = {args.k}, {_dtype(engine)}; {machine()}"
+    print(f"\n{header}\n{table}")
+    if args.out:
+        print("wrote " + ", ".join(str(p) for p in write_table(args.out, "faq", header, table, result)))
     return result
 
 

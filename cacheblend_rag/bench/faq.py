@@ -18,7 +18,6 @@ _LAST = ["Okafor", "Lindqvist", "Moreau", "Tanaka", "Castellanos", "Novak", "Had
 _CITIES = ["Tallinn", "Porto", "Ghent", "Bergen", "Kyoto", "Valparaiso", "Tartu", "Graz", "Malmo", "Lyon"]
 _KINDS = ["robot vacuum", "espresso machine", "e-bike", "smart thermostat", "drone", "air purifier", "3D printer",
           "electric kettle"]
-_COLORS = ["teal", "amber", "graphite", "coral", "olive", "ivory", "crimson", "navy"]
 
 
 @dataclass(frozen=True)
@@ -39,39 +38,42 @@ def _product(rng: random.Random, used: set[str]) -> dict:
     company = _name(rng)
     while company in used:
         company = _name(rng)
-    used.add(company)
+    founder = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+    while founder in used:  # no two companies share a founder: a question names exactly one fact
+        founder = f"{rng.choice(_FIRST)} {rng.choice(_LAST)}"
+    used.update((company, founder))
     return {
         "company": company,
         "product": f"{company} {rng.choice('XQRSV')}{rng.randint(2, 9)}",
         "kind": rng.choice(_KINDS),
-        "founder": f"{rng.choice(_FIRST)} {rng.choice(_LAST)}",
+        "founder": founder,
         "city": rng.choice(_CITIES),
         "year": str(rng.randint(1994, 2021)),
         "warranty": f"{rng.choice([18, 24, 30, 36, 48])} months",
         "battery": f"{rng.randint(3, 14)} hours",
-        "color": rng.choice(_COLORS),
-        "price": f"{rng.randint(79, 899)} euros",
+                "price": f"{rng.randint(79, 899)} euros",
     }
 
 
 def _chunk(p: dict) -> str:
-    """A product page of a few short FAQ entries (about 150 tokens)."""
-    return (f"{p['product']} - Frequently asked questions\n"
-            f"What is the {p['product']}? It is a {p['kind']} made by {p['company']}, a company founded in "
-            f"{p['year']} by {p['founder']} and based in {p['city']}.\n"
-            f"How long is the warranty? The {p['product']} comes with a warranty of {p['warranty']}.\n"
-            f"How long does the battery last? On a full charge the battery lasts {p['battery']}.\n"
-            f"Which colors are there? The {p['product']} is sold in {p['color']} only.\n"
-            f"How much does it cost? The {p['product']} costs {p['price']}.")
+    """A company's FAQ page: each question as a user would ask it, answered in one sentence (about 130 tokens)."""
+    c, x = p["company"], p["product"]
+    return (f"{c} - Frequently asked questions\n"
+            f"Who founded {c}? {c} was founded by {p['founder']}.\n"
+            f"Where is {c} based? {c} is based in {p['city']}.\n"
+            f"When was {c} founded? {c} was founded in {p['year']}.\n"
+            f"What does {c} make? {c} makes the {x}, a {p['kind']}.\n"
+            f"How long is the warranty of the {x}? The warranty of the {x} is {p['warranty']}.\n"
+            f"How long does the battery of the {x} last? The battery of the {x} lasts {p['battery']}.\n"
+            f"How much does the {x} cost? The {x} costs {p['price']}.")
 
 
 _QUESTIONS = [
     ("Who founded {company}?", "founder"),
-    ("In which city is {company} based?", "city"),
-    ("In which year was {company} founded?", "year"),
+    ("Where is {company} based?", "city"),
+    ("When was {company} founded?", "year"),
     ("How long is the warranty of the {product}?", "warranty"),
     ("How long does the battery of the {product} last?", "battery"),
-    ("In which color is the {product} sold?", "color"),
     ("How much does the {product} cost?", "price"),
 ]
 
@@ -114,5 +116,7 @@ def string_prompt(q: FaqQuestion) -> str:
 def chat_prompt(q: FaqQuestion) -> list[dict[str, str]]:
     """The chunks and question as chat messages of a user's own wording."""
     context = "\n\n".join(q.chunks)
-    return [{"role": "system", "content": "You are a support assistant. Answer from the product information."},
-            {"role": "user", "content": f"Product information:\n{context}\n\nQuestion: {q.question}"}]
+    return [{"role": "system", "content": "You are a support assistant. Answer in one sentence, using only the "
+                                          "product information."},
+            {"role": "user", "content": f"Product information:\n{context}\n\nQuestion: {q.question}\n"
+                                        "Answer in one sentence."}]

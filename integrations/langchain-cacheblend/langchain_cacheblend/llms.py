@@ -86,7 +86,8 @@ class CacheBlendLLM(EngineFields, BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {**self._identifying_fields(), "max_new_tokens": self.max_new_tokens, "chat_template": self.chat_template}
+        return {**self._identifying_fields(), "max_new_tokens": self.max_new_tokens,
+                "chat_template": self.chat_template}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params = super()._get_ls_params(stop=stop, **kwargs)

@@ -191,7 +191,8 @@ def test_plain_completions_get_the_instruct_models_chat_template(li_engine):
     raw = llm.complete(prompt, formatted=True)  # the caller formatted it: sent as is
     assert raw.additional_kwargs["num_tokens"] == len(li_engine.tokenizer(prompt)["input_ids"])
     own = CacheBlendLLM(engine=li_engine, max_new_tokens=2, completion_to_prompt=lambda p: f"Q: {p}\nA:")
-    assert own.complete(prompt).additional_kwargs["num_tokens"] == len(li_engine.tokenizer(f"Q: {prompt}\nA:")["input_ids"])
+    own_tokens = li_engine.tokenizer(f"Q: {prompt}\nA:")["input_ids"]
+    assert own.complete(prompt).additional_kwargs["num_tokens"] == len(own_tokens)
 
 
 def test_the_default_chat_engine_runs_four_turns(chroma_index, li_engine):
