@@ -25,11 +25,11 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 
 from . import settings
+from .arguments import parse_size
 from .errors import CacheBlendError, ConfigError
 from .fuse.policies import METHODS
 from .models.loader import DEFAULT_MODEL
@@ -39,22 +39,9 @@ DEFAULT_COLLECTION = "cacheblend_chunks"  # same as retrieval.chroma.DEFAULT_COL
 DEFAULT_MEMORY_BUDGET = "512MiB"  # the KV store's memory tier in a CLI process (ingest writes through to disk)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MAX_LISTED = 20  # skipped files listed one per line; the rest are counted
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
 
 # ---- argument types: a bad value is a usage error (exit 2), never a traceback --------------
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '512MiB', '2GiB', '1.5G', '300MB' or '0' (K/M/G/T alone are binary, KB/MB/... decimal)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 512MiB, 2GiB or 0")
-    number, unit, binary, byte = m.groups()
-    if unit:
-        base = 1024 if (binary or not byte) else 1000
-        number = float(number) * base ** ("kmgt".index(unit.lower()) + 1)
-    return int(float(number))
 
 
 def _positive_int(text: str) -> int:

@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 from .. import settings
+from ..arguments import parse_size
 from ..errors import MissingDependencyError
 from ..models.loader import DEFAULT_MODEL, PACKAGED_GGUF, is_hub_id
 
@@ -86,8 +87,6 @@ def _seconds(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    from ..cli import parse_size
-
     value = parse_size(text)
     if value < 1024:
         raise argparse.ArgumentTypeError(f"must be at least 1KiB, got {text}")

@@ -1,0 +1,20 @@
+"""Command-line value parsers shared by the CLI and the server's command (neither imports the other for them)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '512MiB', '2GiB', '1.5G', '300MB' or '0' (K/M/G/T alone are binary, KB/MB/... decimal)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 512MiB, 2GiB or 0")
+    number, unit, binary, byte = m.groups()
+    if unit:
+        base = 1024 if (binary or not byte) else 1000
+        number = float(number) * base ** ("kmgt".index(unit.lower()) + 1)
+    return int(float(number))
