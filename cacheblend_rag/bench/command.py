@@ -282,6 +282,10 @@ def _faq(args: argparse.Namespace) -> dict:
     from .frames import format_faq, run_faq
     from .report import machine, write_table
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=args.kv_store, device=args.device,
                                               dtype=args.dtype, home=args.home, lead_in=args.lead_in)
     result = run_faq(engine, num_questions=args.limit or 40, k=args.k, seed=args.seed,
