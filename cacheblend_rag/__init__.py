@@ -1,5 +1,6 @@
 """cacheblend_rag: fast RAG by fusing the cached KV of retrieved chunks (CacheBlend) on HF transformers."""
 
+from .decode.grammar import Grammar, GrammarError
 from .engine import CacheBlendEngine, Generation, Prefill
 from .errors import (
     CacheBlendError,
@@ -19,8 +20,8 @@ from .models.loader import DEFAULT_MODEL, load_model
 
 __all__ = [
     "DEFAULT_MODEL", "METHODS", "CacheBlend", "CacheBlendEngine", "CacheBlendError", "CacheFormatError", "Chunk",
-    "ChunkError", "ConfigError", "FullPrefill", "FullReuse", "Generation", "MissingDependencyError",
-    "ModelNotCachedError", "ModelNotFoundError", "Prefill", "PrefixCache", "PromptTemplate", "PromptTooLongError",
+    "ChunkError", "ConfigError", "FullPrefill", "FullReuse", "Generation", "Grammar", "GrammarError",
+    "MissingDependencyError", "ModelNotCachedError", "ModelNotFoundError", "Prefill", "PrefixCache", "PromptTemplate", "PromptTooLongError",
     "UnsupportedModelError", "chunk_id", "load_model", "make_policy",
 ]
 __version__ = "0.1.0"

@@ -68,6 +68,8 @@ class Generation:
     ttft_s: float
     stats: RequestStats
     logits: torch.Tensor | None = field(default=None, repr=False)  # (vocab,) first-token logits of the prefill
+    finish_reason: str = "stop"  # "stop" (EOS, a stop string, a complete grammar) or "length" (max_new_tokens)
+    grammar_satisfied: bool | None = None  # with a grammar: whether the text completes it (False: cut by length)
 
 
 def _check_kv_codec(kv_codec: str, kv_store: object) -> None:
@@ -537,24 +539,44 @@ class CacheBlendEngine:
         text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
         stats = dataclasses.replace(pre.stats, num_generated=int(new_ids.numel()),
                                     timing=dict(pre.stats.timing, decode_s=decode_s))
-        return Generation(text.strip(), new_ids.tolist(), pre.stats.ttft_s, stats, pre.logits)
+        reason, satisfied = self._finish(new_ids.tolist(), sampling)
+        return Generation(text.strip(), new_ids.tolist(), pre.stats.ttft_s, stats, pre.logits, reason, satisfied)
+
+    def _finish(self, new_ids: list[int], sampling: SamplingOptions) -> tuple[str, bool | None]:
+        """(finish_reason, grammar_satisfied) of a decoded answer, from its tokens alone (both decoders)."""
+        satisfied = complete = None
+        if sampling.grammar is not None:
+            satisfied, complete = self._kv_decoder.grammars.check(sampling.grammar, new_ids)
+        _, cut = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
+        ended = bool(new_ids) and new_ids[-1] == self.tokenizer.eos_token_id
+        if cut or ended or complete or len(new_ids) < sampling.max_new_tokens:  # shorter: cancelled, not cut
+            return "stop", satisfied
+        return "length", satisfied
 
     def _stream(self, run_prefill, sampling: SamplingOptions, stats: dict | None) -> Iterator[str]:
+        def decode_prefill(pre: Prefill, streamer, cancel) -> torch.Tensor:
+            new_ids = self._decode(pre, sampling, streamer, cancel)
+            if stats is not None:  # read once the stream is exhausted
+                stats["finish_reason"], stats["grammar_satisfied"] = self._finish(new_ids.tolist(), sampling)
+            return new_ids
+
         return stream_decode(lambda: self._decodable(run_prefill, sampling), self.tokenizer, sampling,
-                             lambda pre, streamer, cancel: self._decode(pre, sampling, streamer, cancel), stats)
+                             decode_prefill, stats)
 
     def _decode(self, pre: Prefill, sampling: SamplingOptions, streamer=None, cancel=None) -> torch.Tensor:
         """New token ids after the prefill, with the chosen decoder: "kv" takes its first token from the prefill's
         logits (no step recomputes the last prompt token); "hf", the reference, recomputes it as generate does."""
         if self.decoder == "kv":
             return kv_decode(self.adapter, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer,
-                             cancel, first_logits=pre.logits)
+                             cancel, first_logits=pre.logits, decoder=self._kv_decoder)
         return decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
 
     @contextmanager
     def _decodable(self, run_prefill, sampling: SamplingOptions) -> Iterator[Prefill]:
         """Under the model's lock: the prefill to decode from, checked for room; its holes are stored after the
         block (best effort), so neither the answer nor its first streamed piece waits for them."""
+        if sampling.grammar is not None and self.decoder != "kv":
+            raise ConfigError(f'constrained decoding (grammar=) needs decoder="kv", this engine uses {self.decoder!r}')
         with self._lock:
             pre = run_prefill()
             try:

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from ..errors import ConfigError
+from .grammar import Grammar
 
 ALIASES = {"max_tokens": "max_new_tokens"}  # the OpenAI / LangChain name for the same setting
 
@@ -29,7 +30,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed acc
 class SamplingOptions:
     """How to decode, for `generate` and `stream` alike; temperature 0 means greedy.
 
-    `stop` may be one string or several; empty stop strings are ignored (they would stop at once).
+    `stop` may be one string or several; empty stop strings are ignored (they would stop at once). `grammar`
+    constrains the text (a `Grammar`, or a JSON schema dict): each step's logits are masked to the tokens it
+    allows, before the greedy or sampled choice; needs the engine's default decoder ("kv").
     """
 
     max_new_tokens: int = 64
@@ -37,8 +40,10 @@ class SamplingOptions:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "grammar", Grammar.coerce(self.grammar))
         _number("max_new_tokens", self.max_new_tokens, integer=True)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")

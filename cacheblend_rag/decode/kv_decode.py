@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..kernels.decode_step import decode_attention
 from .generate import SamplingOptions
+from .grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,9 @@ class KVSequence:
         self.settings = settings
         self.eos = decoder.eos_token_id
         self.generated: list[int] = []
-        self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+        self.finish_reason: str | None = None  # "stop" (EOS, a stop string, a complete grammar) or "length"
+        # built before the first token is chosen: that choice is masked too
+        self.grammar = decoder.grammars.state(settings.grammar) if settings.grammar is not None else None
         self.generator = None
         if settings.seed is not None and settings.temperature > 0:
             self.generator = torch.Generator(device=decoder.device).manual_seed(settings.seed)
@@ -170,9 +173,17 @@ class KVSequence:
         """Whether the answer is complete."""
         return self.finish_reason is not None
 
+    @property
+    def grammar_satisfied(self) -> bool | None:
+        """Whether the text so far completes the grammar (None without one): False after "length" means the
+        constrained text was cut before it was complete."""
+        return None if self.grammar is None else self.grammar.satisfied
+
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from this sequence's (vocab,) logits: argmax, or sampled with temperature/top_p."""
         s = self.settings
+        if self.grammar is not None:
+            logits = self.grammar.mask(logits)
         if s.temperature <= 0:
             return int(torch.argmax(logits))
         scores = logits.float() / s.temperature
@@ -189,12 +200,16 @@ class KVSequence:
         self.generated.append(token_id)
         self.next_token = token_id
         piece = ""
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
         if token_id == self.eos:
             self.finish_reason = "stop"
         elif self._text is not None:
             piece = self._stop.push(self._text.push(token_id))
             if self._stop.found:
                 self.finish_reason = "stop"
+        if self.finish_reason is None and self.grammar is not None and self.grammar.stopped:
+            self.finish_reason = "stop"  # the grammar allows only EOS now: end without a step to choose it
         if self.finish_reason is None and len(self.generated) >= self.settings.max_new_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None and not self._stop.found:
@@ -215,6 +230,7 @@ class KVDecoder:
         self.dtype = adapter.dtype
         self.device = adapter.device
         self.eos_token_id = tokenizer.eos_token_id
+        self.grammars = GrammarCompiler(tokenizer)  # converts the tokenizer for llguidance on first use
         # per-layer facts, read once rather than every step
         self.scales = [adapter.scaling(i) for i in range(self.num_layers)]
         self.windows = [adapter.sliding_window(i) for i in range(self.num_layers)]
@@ -268,11 +284,12 @@ class KVDecoder:
 @torch.inference_mode()
 def kv_decode(adapter, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
               settings: SamplingOptions, streamer=None, cancel: threading.Event | None = None,
-              first_logits: torch.Tensor | None = None) -> torch.Tensor:
+              first_logits: torch.Tensor | None = None, decoder: KVDecoder | None = None) -> torch.Tensor:
     """New token ids after the prompt `token_ids` (N,), whose fused KV is given: `decode.generate.decode`'s
     contract (EOS, stop strings, `streamer.put`/`end`, stops early once `cancel` is set) on the adapter path;
-    `first_logits`, the prefill's next-token logits, give the first token without a step."""
-    decoder = KVDecoder(adapter, tokenizer)
+    `first_logits`, the prefill's next-token logits, give the first token without a step. Pass the engine's
+    `decoder` to reuse its state (the grammar compiler's converted tokenizer)."""
+    decoder = decoder or KVDecoder(adapter, tokenizer)
     seq = decoder.sequence(token_ids, keys, values, settings, text=bool(settings.stop), first_logits=first_logits)
     if streamer is not None:
         streamer.put(token_ids[None].cpu())  # the prompt, which the streamer skips

@@ -14,7 +14,7 @@ from langchain_cacheblend.chains import (
     create_stuff_chain,
     parse_scored_answer,
 )
-from langchain_cacheblend.chat_models import ChatCacheBlend, to_chat_messages
+from langchain_cacheblend.chat_models import ChatCacheBlend, StructuredOutputError, to_chat_messages
 from langchain_cacheblend.llms import CacheBlendLLM
 from langchain_cacheblend.prompts import CacheBlendPromptTemplate, CacheBlendPromptValue
 from langchain_cacheblend.retrievers import ChromaRetriever, ChunkIdRetriever, document_chunk_id, with_chunk_ids
@@ -22,7 +22,7 @@ from langchain_cacheblend.warm import iter_vectorstore_documents, warm_from_vect
 
 __all__ = [
     "RERANK_QUESTION", "CacheBlendLLM", "CacheBlendPromptTemplate", "CacheBlendPromptValue", "ChatCacheBlend",
-    "ChromaRetriever", "ChunkIdRetriever", "StatsCallbackHandler", "create_map_reduce_chain",
+    "ChromaRetriever", "ChunkIdRetriever", "StatsCallbackHandler", "StructuredOutputError", "create_map_reduce_chain",
     "create_map_rerank_chain", "create_stuff_chain", "document_chunk_id", "parse_scored_answer",
     "iter_vectorstore_documents", "to_chat_messages", "warm_from_vectorstore", "with_chunk_ids",
 ]

@@ -100,8 +100,11 @@ def test_messages_map_to_the_chat_template_roles(engine):
     assert reply.content and reply.usage_metadata["input_tokens"] == chat.get_num_tokens_from_messages(messages)
     with pytest.raises(ConfigError, match="text only"):
         chat.invoke([HumanMessage([{"type": "image", "url": "http://example.com/x.png"}])])
-    with pytest.raises(ConfigError, match="tool calling"):
-        chat.invoke([HumanMessage("x"), ToolMessage("3", tool_call_id="a")])
+    # tool calls and results are written in the generic tool format (cacheblend_rag.tools), results verbatim
+    call = AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "c1", "type": "tool_call"}])
+    assert to_chat_messages([HumanMessage("x"), call, ToolMessage("3", tool_call_id="c1")])[1:] == [
+        {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'},
+        {"role": "user", "content": "<tool_response>\n3\n</tool_response>"}]
 
 
 def test_unknown_kwargs_are_rejected_and_max_tokens_is_honoured(engine):

@@ -1,0 +1,171 @@
+"""Tool calling in a generic text format, for chat templates without one (the default SmolLM2's has none).
+
+Tools are OpenAI function specs (`{"type": "function", "function": {"name", "description", "parameters"}}`).
+The format (documented in docs/integrations.md), in plain chat messages any template renders:
+
+- a system message lists the tools as JSON inside `<tools>...</tools>` and says how to call one;
+- the model calls a tool by answering exactly `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`
+  (the Hermes / Qwen shape); grammar-constrained decoding makes that call well formed, to one of the bound tools,
+  with arguments valid against its schema;
+- a tool's result goes back as a user message `<tool_response>CONTENT</tool_response>`, its content verbatim
+  (stored chunks inside a retriever tool's result are then found and fused like chunks anywhere in a prompt).
+
+`tool_choice`: "auto" (a call or a plain answer that does not start with "<"), "required" (alias "any": a call),
+a tool's name (a call to that tool), "none" (no grammar; the tools stay listed). One call per answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .decode.grammar import Grammar
+from .errors import ConfigError
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
+CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's name, its arguments, and an id for the tool's result to refer to."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+def functions_of(tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The function specs of OpenAI-format tools, checked: each has a unique name and an object schema."""
+    functions, names = [], set()
+    for tool in tools:
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or "function" not in tool:
+            raise ConfigError(f'a tool must be {{"type": "function", "function": {{"name", "parameters"}}}}, '
+                              f"got {tool!r}; convert LangChain tools with convert_to_openai_tool")
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a tool function needs a name, got {fn!r}")
+        if name in names:
+            raise ConfigError(f"two tools are named {name!r}; tool names must be unique")
+        names.add(name)
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if params.get("type", "object") != "object":
+            raise ConfigError(f"tool {name!r}: parameters must be a JSON schema of type object")
+        functions.append({"name": name, "description": fn.get("description", ""), "parameters": params})
+    return functions
+
+
+def normalize_choice(choice: str | dict | bool | None, names: Sequence[str]) -> str:
+    """`tool_choice` as "auto", "none", "required" or a tool name (from LangChain's and OpenAI's spellings)."""
+    if choice is None:
+        return "auto"
+    if choice is True or choice == "any":
+        return "required"
+    if isinstance(choice, dict):  # OpenAI's {"type": "function", "function": {"name": ...}}
+        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+    if choice in CHOICES or choice in names:
+        return choice
+    raise ConfigError(f"tool_choice must be one of auto, none, required, any or a bound tool's name "
+                      f"({', '.join(names)}), got {choice!r}")
+
+
+def closed(schema: Any) -> Any:
+    """A copy of the schema where objects with listed properties allow no others unless they say so (as OpenAI's
+    strict mode does): a small model must not invent extra keys."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if out.get("type") == "object" and "additionalProperties" not in out and "properties" in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def call_schema(functions: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call `{"name", "arguments"}` to any of these functions."""
+    options = [{"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": closed(fn["parameters"])},
+                "required": ["name", "arguments"], "additionalProperties": False} for fn in functions]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_grammar(functions: Sequence[dict[str, Any]], choice: str) -> Grammar | None:
+    """The grammar for an answer under `choice`: a call, or a call or plain text ("auto"); None for "none"."""
+    if choice == "none":
+        return None
+    targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
+    call = f'call: "{TOOL_OPEN}" %json {json.dumps(call_schema(targets))} "{TOOL_CLOSE}"'
+    if choice == "auto":  # plain text may not start with "<", so it can never be a malformed call
+        return Grammar.lark(f"start: call | text\n{call}\ntext: /[^<][\\s\\S]*/\n")
+    return Grammar.lark(f"start: call\n{call}\n")
+
+
+def tools_prompt(functions: Sequence[dict[str, Any]], choice: str) -> str:
+    """The system text that lists the tools and the call format."""
+    listed = "\n".join(json.dumps(fn) for fn in functions)
+    how = (f'To call a tool, answer with only {TOOL_OPEN}{{"name": <tool name>, "arguments": <JSON object>}}'
+           f"{TOOL_CLOSE}. A tool's result comes back as {RESULT_OPEN}...{RESULT_CLOSE}.")
+    rule = {"auto": "Call a tool when it helps; otherwise answer in plain text.",
+            "none": "Do not call a tool now; answer in plain text.",
+            "required": "You must call one of the tools now."}.get(choice, f"You must call the tool {choice} now.")
+    return f"You have these tools:\n<tools>\n{listed}\n</tools>\n{how}\n{rule}"
+
+
+def with_tools_prompt(messages: Sequence[dict[str, str]], functions: Sequence[dict[str, Any]],
+                      choice: str) -> list[dict[str, str]]:
+    """The chat messages with the tools' system text added to the system message (or a new one first)."""
+    return with_system_text(messages, tools_prompt(functions, choice))
+
+
+def schema_prompt(schema: dict[str, Any]) -> str:
+    """The system text asking for a JSON answer of this schema (the grammar enforces the shape; the text tells a
+    small model what the fields mean and to keep their values brief, so it closes them within max_tokens)."""
+    return (f"Answer with only a JSON object that matches this JSON schema:\n{json.dumps(schema)}\n"
+            f"Keep each string value brief.")
+
+
+def with_system_text(messages: Sequence[dict[str, str]], text: str) -> list[dict[str, str]]:
+    """The chat messages with `text` added to the system message (or as a new system message first)."""
+    out = [dict(m) for m in messages]
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{text}"
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def render_call(name: str, arguments: dict[str, Any]) -> str:
+    """A past call as the assistant wrote it."""
+    return f"{TOOL_OPEN}{json.dumps({'name': name, 'arguments': arguments})}{TOOL_CLOSE}"
+
+
+def render_result(content: str) -> dict[str, str]:
+    """A tool's result as the chat message that carries it back (content verbatim)."""
+    return {"role": "user", "content": f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"}
+
+
+def parse_tool_calls(text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
+    """(plain content, calls) of an answer: a well-formed call to a known tool becomes a ToolCall; anything else
+    stays content (a call cut by max_tokens, or text in a format the grammar did not force)."""
+    stripped = text.strip()
+    if not stripped.startswith(TOOL_OPEN):
+        return text, []
+    calls, rest = [], stripped
+    known = {fn["name"] for fn in functions}
+    while rest.startswith(TOOL_OPEN) and TOOL_CLOSE in rest:
+        body, rest = rest[len(TOOL_OPEN):].split(TOOL_CLOSE, 1)
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(call, dict) or (known and call.get("name") not in known):
+            return text, []
+        calls.append(ToolCall(call["name"], copy.deepcopy(call.get("arguments") or {})))
+        rest = rest.strip()
+    return (rest, calls) if calls else (text, [])

@@ -1,0 +1,116 @@
+"""Tool calling and structured output of ChatCacheBlend on the real default model (constrained decoding)."""
+
+from __future__ import annotations
+
+from langchain_cacheblend_testing import shared_engine  # first: sets the offline environment
+from typing import Annotated
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
+
+from langchain_cacheblend import ChatCacheBlend, StructuredOutputError
+
+pytestmark = pytest.mark.model
+
+
+class Person(BaseModel):
+    """A person mentioned in the text."""
+
+    name: str = Field(description="the person's first name")
+    age: int = Field(description="age in years")
+    city: str = Field(description="the city they live in")
+
+
+class PersonDict(TypedDict):
+    """A person mentioned in the text."""
+
+    name: Annotated[str, ..., "the person's first name"]
+    age: Annotated[int, ..., "age in years"]
+
+
+PEOPLE = [("Alice", 30, "Paris"), ("Bob", 42, "London"), ("Chen", 25, "Beijing"), ("Dora", 61, "Madrid"),
+          ("Emil", 19, "Berlin"), ("Fatima", 35, "Cairo"), ("Giulia", 28, "Rome"), ("Hiro", 50, "Tokyo"),
+          ("Ines", 33, "Lisbon"), ("Jonas", 47, "Oslo"), ("Kofi", 22, "Accra"), ("Lena", 39, "Vienna"),
+          ("Mateo", 56, "Lima"), ("Nora", 27, "Dublin"), ("Omar", 44, "Amman"), ("Priya", 31, "Delhi"),
+          ("Quinn", 24, "Boston"), ("Rosa", 68, "Havana"), ("Sven", 53, "Stockholm"), ("Tara", 29, "Sydney")]
+
+
+@tool
+def magic_function(input: int) -> int:
+    """Applies a magic function to an input."""
+    return input + 2
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatCacheBlend:
+    """The real model, room for a whole structured answer."""
+    return ChatCacheBlend(engine=shared_engine(), max_tokens=64)
+
+
+def test_pydantic_structured_output_is_a_valid_instance_on_20_prompts(chat):
+    structured = chat.with_structured_output(Person)
+    exact = 0
+    for name, age, city in PEOPLE:
+        person = structured.invoke(f"{name} is {age} years old and lives in {city}. Extract the person.")
+        assert isinstance(person, Person)  # always: the grammar makes the answer parse and validate
+        exact += (person.name, person.age, person.city) == (name, age, city)
+    assert exact >= 15  # what the model reads correctly (19 of 20 when written)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_every_method_and_schema_kind(chat, method):
+    prompt = "Bob is 42 years old and lives in London. Extract the person as JSON with name and age."
+    out = chat.with_structured_output(PersonDict, method=method).invoke(prompt)
+    assert isinstance(out, dict)
+    if method != "json_mode":  # json_mode only promises a JSON object
+        assert set(out) == {"name", "age"} and isinstance(out["age"], int)
+    raw = chat.with_structured_output(Person.model_json_schema(), method=method, include_raw=True).invoke(prompt)
+    assert isinstance(raw["raw"], AIMessage) and raw["parsing_error"] is None and isinstance(raw["parsed"], dict)
+
+
+def test_an_answer_cut_by_max_tokens_is_a_structured_output_error():
+    short = ChatCacheBlend(engine=shared_engine(), max_tokens=3)
+    with pytest.raises(StructuredOutputError, match="raise max_tokens"):
+        short.with_structured_output(Person).invoke("Alice is 30 years old and lives in Paris.")
+    raw = short.with_structured_output(Person, include_raw=True).invoke("Alice is 30.")
+    assert raw["parsed"] is None and isinstance(raw["parsing_error"], StructuredOutputError)
+    assert raw["raw"].response_metadata["finish_reason"] == "length"
+
+
+def test_a_forced_tool_call_invoked_and_streamed(chat):
+    bound = chat.bind_tools([magic_function], tool_choice="any")
+    query = "What is the value of magic_function(3)? Use the tool."
+    reply = bound.invoke(query)
+    assert [(c["name"], c["args"]) for c in reply.tool_calls] == [("magic_function", {"input": 3})]
+    assert reply.tool_calls[0]["id"] and reply.content == ""
+    chunks = list(bound.stream(query))
+    assert any(c.tool_call_chunks for c in chunks)
+    full = chunks[0]
+    for c in chunks[1:]:
+        full = full + c
+    assert [(c["name"], c["args"]) for c in full.tool_calls] == [("magic_function", {"input": 3})]
+
+
+def test_tool_results_go_back_into_the_prompt_and_none_forbids_a_call(chat):
+    bound = chat.bind_tools([magic_function])
+    call = bound.bind(tool_choice="magic_function").invoke("What is magic_function(3)?")
+    assert call.tool_calls and call.tool_calls[0]["name"] == "magic_function"
+    history = [HumanMessage("What is magic_function(3)?"), call,
+               ToolMessage("5", tool_call_id=call.tool_calls[0]["id"])]
+    answer = bound.bind(tool_choice="none").invoke(history)
+    assert not answer.tool_calls and answer.content and "<tool_call>" not in answer.content
+    auto = bound.invoke("Say hello to me.")  # a plain answer or a call, never a malformed one
+    assert auto.tool_calls or not auto.content.lstrip().startswith("<")
+
+
+def test_standard_init_params(chat):
+    relaxed = ChatCacheBlend(engine=shared_engine(), max_tokens=4, max_retries=2, api_key="unused", timeout=60)
+    assert relaxed.invoke("Hi").content
+    hurried = ChatCacheBlend(engine=shared_engine(), max_tokens=32, timeout=1e-9)  # past before the first piece
+    with pytest.raises(TimeoutError, match="timeout"):
+        hurried.invoke("Tell me about bees.")
+    with pytest.raises(ValueError):
+        ChatCacheBlend(engine=shared_engine(), timeout=0)
