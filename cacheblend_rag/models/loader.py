@@ -202,7 +202,10 @@ _HUB_CODE = ("*.py",)  # a repo's own modelling code, fetched only with trust_re
 def _converted_folder(alias: str, home: str | os.PathLike[str] | None) -> Path:
     """The converted folder of a packaged GGUF: one per machine (settings.models_dir), converted on first use."""
     source = PACKAGED_GGUF[alias]
-    key = source.key()
+    try:
+        key = source.key()
+    except ModelNotFoundError as e:
+        raise ModelNotFoundError(f"model {alias!r}: {e}") from e
     target = settings.models_dir() / key
     legacy = settings.home_models_dir(home) / key  # converted by an older version into this home: reuse it
     if not (target / "config.json").is_file() and (legacy / "config.json").is_file():
