@@ -392,7 +392,8 @@ def _add_ask(subparsers) -> None:
                    help="CacheBlend recompute ratio in [0, 1] (default 0.15)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--stop", action="append", metavar="TEXT",
-                   help='stop the answer at TEXT (repeatable; default: a blank line; --stop "" for none)')
+                   help='stop the answer at TEXT (repeatable; default: a blank line or a new "Question:" line; '
+                        '--stop "" for none)')
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, chunks, stats")
     p.set_defaults(func=_run_ask)
 
@@ -440,7 +441,9 @@ def _run_ask(args: argparse.Namespace) -> int:
         return 1
     engine = _engine(args)
     method = args.method if args.method in METHODS else "cacheblend"
-    stop = [s for s in (args.stop if args.stop is not None else ["\n\n"]) if s]  # one paragraph by default
+    # One paragraph by default; a base model (no chat template, e.g. gemma3-270m) answering the plain template's
+    # "Question: ...\nAnswer:" goes on to write the next "Question:" after a single newline.
+    stop = [s for s in (args.stop if args.stop is not None else ["\n\n", "\nQuestion:"]) if s]
     llm = CacheBlendLLM(engine=engine, model=args.model, method=method, recompute_ratio=args.ratio,
                         max_new_tokens=args.max_new_tokens, stop=stop or None)
     retriever = ChunkIdRetriever(base=ChromaRetriever(store=store, k=args.k))

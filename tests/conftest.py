@@ -68,6 +68,12 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, **overrides):
         # half of each head rotated, as Phi-4-mini's partial_rotary_factor 0.75 leaves part of it unrotated
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {"partial_rotary_factor": 0.5, "sliding_window": None,
                                                      "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),
+        # local and global layers interleaved, each with its own RoPE base; an attention scale that is not
+        # head_dim**-0.5; the window (the 270M's 512) longer than these tests' prompts: the windowed tests set it
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, {
+            "head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 512,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}),
     }
     config_cls, model_cls, extra = classes[arch]
     torch.manual_seed(seed)
@@ -81,7 +87,7 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, **overrides):
     return model
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 
 @pytest.fixture(params=ARCHS)

@@ -33,8 +33,9 @@ def test_adapter_reproduces_hf_logits(tiny):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_mistral_sliding_window_matches_hf(tokenizer):
-    model = tiny_model("mistral", len(tokenizer), sliding_window=16)
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])  # every layer windowed; Gemma 3's every other layer
+def test_sliding_window_matches_hf(tokenizer, arch):
+    model = tiny_model(arch, len(tokenizer), sliding_window=16)
     ids = torch.randint(0, model.config.vocab_size, (90,))
     with torch.no_grad():
         expected = model(ids[None]).logits[0]
@@ -55,3 +56,20 @@ def test_unsupported_architecture_is_refused():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel.*gpt2"):
         get_adapter(model)
+
+
+@pytest.mark.parametrize("config, match", [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+                                           ({"use_bidirectional_attention": True}, "use_bidirectional_attention")])
+def test_gemma3_configs_the_loop_cannot_run_are_refused(tokenizer, config, match):
+    with pytest.raises(UnsupportedModelError, match=match):
+        get_adapter(tiny_model("gemma3", len(tokenizer), **config))
+
+
+def test_gemma3_final_logit_softcapping_matches_hf(tokenizer):
+    model = tiny_model("gemma3", len(tokenizer), final_logit_softcapping=1.0)
+    ids = torch.randint(0, model.config.vocab_size, (40,))
+    with torch.no_grad():
+        expected = model(ids[None]).logits[0]
+        uncapped = model.lm_head(model.model(ids[None]).last_hidden_state)[0]
+    assert uncapped.abs().max() > 2.0 and expected.abs().max() < 1.0  # the cap binds
+    torch.testing.assert_close(_adapter_logits(model, ids), expected, atol=1e-4, rtol=1e-4)

@@ -48,10 +48,11 @@ def test_greedy_tokens_equal_hf_generate_on_every_family(tiny):
         hf.generate(TEXTS, QUESTIONS[0], max_new_tokens=12).text
 
 
-def test_greedy_tokens_equal_hf_generate_with_a_sliding_window(tokenizer):
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_greedy_tokens_equal_hf_generate_with_a_sliding_window(tokenizer, arch):
     from conftest import tiny_model
 
-    kv, hf = _engines(tiny_model("mistral", len(tokenizer), sliding_window=16), tokenizer)
+    kv, hf = _engines(tiny_model(arch, len(tokenizer), sliding_window=16), tokenizer)
     a = kv.generate(TEXTS, QUESTIONS[0], max_new_tokens=24)
     assert a.stats["num_tokens"] > 4 * 16
     assert a.token_ids == hf.generate(TEXTS, QUESTIONS[0], max_new_tokens=24).token_ids

@@ -332,11 +332,12 @@ def test_concurrent_stream_and_generate_do_not_mix(engine):
     assert results == {"stream": [expected_stream] * 2, "generate": [expected_gen] * 2}
 
 
-def test_sliding_window_model_through_the_engine(tokenizer):
-    """Mistral with a window shorter than the prompt: full prefill is HF's forward, ratio 1 is full prefill."""
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_sliding_window_model_through_the_engine(tokenizer, arch):
+    """A window shorter than the prompt: full prefill is HF's forward, ratio 1 is full prefill."""
     from conftest import tiny_model
 
-    model = tiny_model("mistral", len(tokenizer), sliding_window=16)
+    model = tiny_model(arch, len(tokenizer), sliding_window=16)
     engine = CacheBlendEngine(model, tokenizer)
     engine.ingest(TEXTS, show_progress=False)
     full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
@@ -379,3 +380,28 @@ def test_holes_are_stored_once_the_answer_is_done(engine, monkeypatch):
     assert again.stats["chunk_misses"] == [] and again.stats["chunk_hits"] == [engine.resolve_chunk(TEXTS[0]).chunk_id] + ids
     # generate decoded before storing its hole (ids[1]), stream before storing its own (ids[2])
     assert stored_when_decoding == [(False, False), (True, False)]
+
+
+def test_chunks_longer_than_the_sliding_window_are_reused_exactly_as_computed(tokenizer):
+    """Gemma 3 with a window shorter than every chunk: a chunk's stored KV is what the model computes for it alone
+    (its local layers see only the window), so ratio 0 is full reuse, ratio 1 full prefill (HF's forward), and
+    the decode path gives HF generate's tokens past the window."""
+    from conftest import tiny_model
+
+    window = 8
+    model = tiny_model("gemma3", len(tokenizer), sliding_window=window)
+    engine = CacheBlendEngine(model, tokenizer)
+    engine.ingest(TEXTS, show_progress=False)
+    assert min(engine.resolve_chunk(t).num_tokens for t in TEXTS) > window
+    full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
+    with torch.no_grad():
+        expected = model(full.token_ids[None]).logits[0, -1]
+    torch.testing.assert_close(full.logits, expected, atol=1e-4, rtol=1e-4)
+    assert _max_diff(engine.prefill(TEXTS, QUESTION, recompute_ratio=1.0), full) <= 1e-4
+    reuse = engine.prefill(TEXTS, QUESTION, method="full_reuse")
+    assert _max_diff(engine.prefill(TEXTS, QUESTION, recompute_ratio=0.0), reuse) == 0.0
+    assert _max_diff(reuse, full) > 1e-3
+    hf = CacheBlendEngine(model, tokenizer, decoder="hf")
+    hf.ingest(TEXTS, show_progress=False)
+    ours = engine.generate(TEXTS, QUESTION, recompute_ratio=0.3, max_new_tokens=16)
+    assert ours.token_ids == hf.generate(TEXTS, QUESTION, recompute_ratio=0.3, max_new_tokens=16).token_ids

@@ -101,11 +101,11 @@ def test_precomputed_keys_match_a_plain_prefill(engine, three):
     with torch.no_grad():
         out = engine.model(ids[None], use_cache=True)
     positions = torch.arange(lead.numel(), ids.numel())
-    cos, sin = engine.adapter.rotary(positions)
+    rope = engine.adapter.rotary(positions)
     for layer in (0, 15, 29):
         hf_k = out.past_key_values.layers[layer].keys[0].transpose(0, 1)[lead.numel():]  # (n, kv_heads, d)
         hf_v = out.past_key_values.layers[layer].values[0].transpose(0, 1)[lead.numel():]
-        torch.testing.assert_close(engine.adapter.rope(kv.keys[layer], cos, sin), hf_k, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(engine.adapter.rope(layer, kv.keys[layer], rope), hf_k, atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(kv.values[layer], hf_v, atol=2e-4, rtol=1e-4)
 
 

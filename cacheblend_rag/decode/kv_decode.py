@@ -255,12 +255,12 @@ class KVDecoder:
         for s in seqs:
             if s.length >= s.k.shape[2]:
                 raise RuntimeError("a sequence decoded past its preallocated KV (max_new_tokens)")
-        cos, sin = adapter.rotary(positions)
+        rope = adapter.rotary(positions)
         hidden = adapter.embed(ids)
         for layer in range(self.num_layers):
             q, k, v = adapter.project_qkv(layer, hidden, packed)
-            q = adapter.rope(q, cos, sin)
-            k = adapter.rope(k, cos, sin)
+            q = adapter.rope(layer, q, rope)
+            k = adapter.rope(layer, k, rope)
             scale, window = self.scales[layer], self.windows[layer]
             out = torch.empty_like(q)
             for i, s in enumerate(seqs):  # per sequence: each attends over its own filled rows

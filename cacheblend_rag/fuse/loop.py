@@ -89,11 +89,11 @@ def run_layers(
     if bool((~seq.cached & ~active).any()):
         raise ValueError("rows without cached KV must be active")
     positions = torch.arange(num_rows, device=seq.token_ids.device)
-    cos, sin = adapter.rotary(positions)
+    rope = adapter.rotary(positions)  # per layer (Gemma 3's local and global layers differ)
     rows = active.nonzero().squeeze(1)
     hidden = adapter.embed(seq.token_ids[rows])
     # Per row set (it changes only where the policy narrows it): the rows' cos/sin and attention plans.
-    row_cos, row_sin = cos[rows], sin[rows]
+    row_rope = rope.rows(rows)
     plans: dict[int | None, RowAttentionPlan] = {}  # by sliding window
     result = LoopResult()
     for layer in range(adapter.num_layers):
@@ -104,8 +104,8 @@ def run_layers(
             result.fresh_values.append(v)
         result.rows_per_layer.append(int(rows.numel()))
         result.reused_rows_per_layer.append(int(seq.reused[rows].sum()))
-        q = adapter.rope(q, row_cos, row_sin)
-        k_rot = adapter.rope(k, row_cos, row_sin)
+        q = adapter.rope(layer, q, row_rope)
+        k_rot = adapter.rope(layer, k, row_rope)
         all_fresh = rows.numel() == num_rows  # every row computed: nothing cached to place
         cached_k = cached_v = None
         if all_fresh:
@@ -113,7 +113,7 @@ def run_layers(
         else:
             with record_function("fuse.place_cached_kv"):  # load, re-position (RoPE), overlay the fresh rows
                 cached_k, cached_v = seq.cached_kv(layer)
-                layer_k = adapter.rope(cached_k, cos, sin)
+                layer_k = adapter.rope(layer, cached_k, rope)
                 layer_k[rows] = k_rot
         with record_function("fuse.select_rows"):
             keep = selection.keep(LayerView(layer, rows, q, k, v, cached_k, cached_v, layer_k,
@@ -124,7 +124,7 @@ def run_layers(
         if keep is not None:  # the dropped rows' fresh K/V stay in this layer; they compute no further
             keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
             rows, hidden, q = rows[keep], hidden[keep], q[keep]
-            row_cos, row_sin = cos[rows], sin[rows]
+            row_rope = rope.rows(rows)
             plans.clear()
         result.rows = rows
         if num_output_rows is not None and layer == adapter.num_layers - 1:

