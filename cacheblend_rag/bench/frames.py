@@ -92,8 +92,8 @@ def run_frames(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens
             for method, ratio in [FRAME_METHODS[0], *FRAME_METHODS]:  # an untimed warm-up of the first method
                 outs[(method, ratio)] = run(method, ratio)
             full = outs[("full_prefill", None)]
-            token_ids = engine.prefill(ids, item["question"], "full_prefill").token_ids if prompt is None else \
-                engine._prompt_request(prompt).layout.token_ids
+            token_ids = (engine.prefill(ids, item["question"], "full_prefill") if prompt is None else
+                         engine.prefill_prompt(prompt, "full_prefill")).token_ids
             reference = _reference_logits(engine, token_ids)
             for (method, ratio), out in outs.items():
                 records.append({
