@@ -18,3 +18,14 @@ def parse_size(text: str) -> int:
         base = 1024 if (binary or not byte) else 1000
         number = float(number) * base ** ("kmgt".index(unit.lower()) + 1)
     return int(float(number))
+
+
+def positive_int(text: str) -> int:
+    """A whole number ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

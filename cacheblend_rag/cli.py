@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import settings
-from .arguments import parse_size
+from .arguments import parse_size, positive_int
 from .errors import CacheBlendError, ConfigError
 from .fuse.policies import METHODS
 from .models.loader import DEFAULT_MODEL
@@ -42,16 +42,6 @@ _MAX_LISTED = 20  # skipped files listed one per line; the rest are counted
 
 
 # ---- argument types: a bad value is a usage error (exit 2), never a traceback --------------
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _ratio(text: str) -> float:
@@ -115,7 +105,7 @@ def kv_store_spec(args: argparse.Namespace):
 
 
 def _chunk_tokens(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value < 16:
         raise argparse.ArgumentTypeError(f"must be at least 16 tokens, got {value}")
     return value
@@ -164,7 +154,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--collection", default=DEFAULT_COLLECTION, help="Chroma collection (3-512 characters)")
     parser.add_argument("--host", help="Chroma server host (default: the embedded database under --home)")
-    parser.add_argument("--port", type=_positive_int, help="Chroma server port")
+    parser.add_argument("--port", type=positive_int, help="Chroma server port")
     parser.add_argument("--chroma-token", metavar="TOKEN", help="token for a Chroma server that requires one "
                         f"(sent as 'Authorization: Bearer TOKEN'); prefer ${settings.ENV_CHROMA_TOKEN}, which "
                         "other users cannot read in the process list")
@@ -236,7 +226,7 @@ def _add_ingest(subparsers) -> None:
     p.add_argument("--kv-codec", default="fp16", metavar="NAME",
                    help="how new chunk KV is stored on disk: fp16 (exact, default), int8 (~2x smaller) or cachegen "
                         "(~5x smaller); stores may mix codecs, every file names its own")
-    p.add_argument("--neighbor-variants", type=_positive_int, default=None, metavar="K",
+    p.add_argument("--neighbor-variants", type=positive_int, default=None, metavar="K",
                    help="also store each chunk's KV as computed after its K most similar chunks of this ingestion "
                         "(Cache-Craft variants, reused by --method cachecraft; costs ~K+1 chunk prefills each)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -385,12 +375,12 @@ def _add_ask(subparsers) -> None:
                               "prefill method, or a map-reduce / map-rerank chain).")
     p.add_argument("question", help="the question (must not be empty)")
     _common(p)
-    p.add_argument("--k", type=_positive_int, default=6, help="chunks to retrieve (default 6)")
+    p.add_argument("--k", type=positive_int, default=6, help="chunks to retrieve (default 6)")
     p.add_argument("--method", default="cacheblend", choices=METHODS + CHAINS,
                    help="prefill method (stuff chain) or chain; default cacheblend")
     p.add_argument("--ratio", type=_ratio, default=0.15,
                    help="CacheBlend recompute ratio in [0, 1] (default 0.15)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="most tokens to generate (default 64)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help='stop the answer at TEXT (repeatable; default: a blank line or a new "Question:" line; '
                         '--stop "" for none)')
@@ -548,7 +538,7 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
     add_model_arguments(p)
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--tokens", type=_positive_int, metavar="N", help="the corpus's size in model tokens")
+    size.add_argument("--tokens", type=positive_int, metavar="N", help="the corpus's size in model tokens")
     size.add_argument("--corpus", nargs="+", metavar="PATH", help="files or folders to size: read and split as "
                       "ingest would, counted with the model's tokenizer (nothing is stored)")
     p.add_argument("--chunk-tokens", type=_chunk_tokens, default=512, help="chunk size in model tokens (default 512)")

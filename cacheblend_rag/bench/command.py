@@ -157,18 +157,32 @@ def _dataset(args: argparse.Namespace) -> Path:
 
 def _questions_and_engine(args: argparse.Namespace, dataset: Path):
     """The questions to run and the engine to run them on, as the options say (threads set first)."""
-    from ..engine import CacheBlendEngine
     from .datasets import load_dataset
+
+    engine = _engine(args, kv_store=None if args.loading else args.kv_store)
+    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
+    return items, engine
+
+
+def _engine(args: argparse.Namespace, kv_store: str | None):
+    """The engine the options describe (torch's threads set first)."""
+    from ..engine import CacheBlendEngine
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
-    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=None if args.loading else args.kv_store,
-                                              device=args.device, dtype=args.dtype, home=args.home,
-                                              lead_in=args.lead_in)
-    return items, engine
+    return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
+                                            home=args.home, lead_in=args.lead_in)
+
+
+def _print_and_write(args: argparse.Namespace, name: str, header: str, table: str, result: dict) -> None:
+    """Print a study's table; write `<name>.md` / `<name>.json` under --out (unless '')."""
+    from .report import write_table
+
+    print(f"\n{header}\n{table}")
+    if args.out:
+        print("wrote " + ", ".join(str(p) for p in write_table(args.out, name, header, table, result)))
 
 
 def _dtype(engine) -> str:
@@ -261,40 +275,28 @@ def _benchmark(args: argparse.Namespace, dataset: Path) -> dict:
 def _frames(args: argparse.Namespace, dataset: Path) -> dict:
     """`--frames`: each entry point's prompt, KL vs the model's own forward of it; prints and writes frames.md."""
     from .frames import format_frames, run_frames
-    from .report import machine, write_table
+    from .report import machine
 
     items, engine = _questions_and_engine(args, dataset)
     result = run_frames(engine, items, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
                         show_progress=not args.quiet)
     result["meta"] = {"questions": len(items), "chunks": args.chunks, "model": args.model, "dtype": _dtype(engine),
                       "machine": machine()}
-    table = format_frames(result["summary"])
     header = f"{len(items)} questions × {args.chunks} passages, {_dtype(engine)}; {machine()}"
-    print(f"\n{header}\n{table}")
-    if args.out:
-        print("wrote " + ", ".join(str(p) for p in write_table(args.out, "frames", header, table, result)))
+    _print_and_write(args, "frames", header, format_frames(result["summary"]), result)
     return result
 
 
 def _faq(args: argparse.Namespace) -> dict:
     """`--faq`: accuracy on the generated FAQ set in the chat and string frames; prints and writes faq.md."""
-    from ..engine import CacheBlendEngine
     from .frames import format_faq, run_faq
-    from .report import machine, write_table
+    from .report import machine
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=args.kv_store, device=args.device,
-                                              dtype=args.dtype, home=args.home, lead_in=args.lead_in)
+    engine = _engine(args, kv_store=args.kv_store)
     result = run_faq(engine, num_questions=args.limit or 40, k=args.k, seed=args.seed,
                      max_new_tokens=args.max_new_tokens, show_progress=not args.quiet)
-    table = format_faq(result["summary"])
     header = f"{args.limit or 40} FAQ questions, k = {args.k}, {_dtype(engine)}; {machine()}"
-    print(f"\n{header}\n{table}")
-    if args.out:
-        print("wrote " + ", ".join(str(p) for p in write_table(args.out, "faq", header, table, result)))
+    _print_and_write(args, "faq", header, format_faq(result["summary"]), result)
     return result
 
 

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from .. import settings
-from ..arguments import parse_size
+from ..arguments import parse_size, positive_int
 from ..errors import MissingDependencyError
 from ..models.loader import DEFAULT_MODEL, PACKAGED_GGUF, is_hub_id
 
@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chroma-port", type=_port, help="Chroma server port")
     p.add_argument("--max-body-bytes", type=_size, default=8 * 1024**2, metavar="SIZE",
                    help="largest request body, e.g. 8MiB (default); a larger one gets 413 and is not read")
-    p.add_argument("--max-documents", type=_at_least_1, default=256, metavar="N",
+    p.add_argument("--max-documents", type=positive_int, default=256, metavar="N",
                    help="documents + chunk_ids one request may send (default 256); more get 400 before queueing")
     p.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="S",
                    help="seconds a client has to send a request's headers (default 10); then the connection closes")
@@ -63,16 +63,6 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1 to 65535, got {value}")
-    return value
-
-
-def _at_least_1(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
