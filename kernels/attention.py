@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # c, a call's per-key cost in query rows (n keys, m rows cost ~ n × (m + c)): fitted to SDPA calls of 16–512 rows
 # over 0.5k–3.7k keys on the 2-core AVX512-BF16 CPU; it only steers where the rows are cut.
@@ -43,11 +44,30 @@ MAX_CUT_POINTS = 64  # the partition cuts at most at this many evenly spaced pla
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
           is_causal: bool = False) -> torch.Tensor:
     """q (m, H, d), k/v (n, KVH, d) → (m, H, d) through torch's SDPA with GQA."""
+    if mask is not None and q.is_cuda:
+        return _sdpa_masked_cuda(q, k, v, mask, scale)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=None if mask is None else mask[None, None], is_causal=is_causal, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
+    return out[0].transpose(0, 1)
+
+
+def _sdpa_masked_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """A masked call on CUDA, on the memory-efficient kernel over K/V expanded to the query heads.
+
+    Masked GQA is not the efficient kernel's (it wants equal head counts) and flash takes no mask, so SDPA would
+    pick cuDNN, which builds a plan per new shape (every request's row count is new: hundreds of ms, measured
+    on an H200, benchmarks/gpu_shapes.py --sdpa), or the math kernel, which materialises the scores.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask[None, None], scale=scale)
     return out[0].transpose(0, 1)
 
 
@@ -97,8 +117,10 @@ class RowAttentionPlan:
         if self.causal_pad is not None:
             return
         if overhead_rows is None:
-            overhead_rows = OVERHEAD_ROWS.get(dtype, DEFAULT_OVERHEAD_ROWS)
-        bounds = _partition(rows.tolist(), overhead_rows, sliding_window if windowed else None)
+            # a GPU reads masked keys nearly for free next to a kernel launch: one group, one call
+            overhead_rows = (math.inf if rows.is_cuda else OVERHEAD_ROWS.get(dtype, DEFAULT_OVERHEAD_ROWS))
+        bounds = ([0, num_rows] if math.isinf(overhead_rows)
+                  else _partition(rows.tolist(), overhead_rows, sliding_window if windowed else None))
         for start, end in zip(bounds, bounds[1:]):
             group = rows[start:end]
             first, last = int(group[0]), int(group[-1])

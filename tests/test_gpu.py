@@ -78,3 +78,27 @@ def test_layerwise_prefetch_on_cuda_loads_exactly_what_on_demand_loads(tokenizer
         b = on_demand.prefill(TEXTS, QUESTION, method=method)
         assert len(a.stats["chunk_hits"]) == len(b.stats["chunk_hits"]) == len(TEXTS)
         assert torch.equal(a.logits, b.logits), method
+
+
+def test_scattered_row_attention_on_cuda_matches_the_cpu_reference():
+    """CacheBlend's scattered rows attend on CUDA through one masked call (K/V expanded to the query heads, the
+    memory-efficient kernel): the same outputs as the CPU's grouped SDPA calls, with a sliding window too."""
+    from cacheblend_rag.kernels import causal_attention_rows
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, d = 700, 8, 2, 32
+    rows = torch.randperm(n, generator=gen)[:120].sort().values
+    q = torch.randn(rows.numel(), heads, d, generator=gen)
+    k, v = torch.randn(n, kv_heads, d, generator=gen), torch.randn(n, kv_heads, d, generator=gen)
+    for window in (None, 256):
+        cpu = causal_attention_rows(q, k, v, rows, 0.2, window)
+        cuda = causal_attention_rows(q.cuda(), k.cuda(), v.cuda(), rows.cuda(), 0.2, window)
+        assert torch.allclose(cuda.cpu(), cpu, atol=1e-4), window
+
+
+def test_chunk_kv_stays_on_the_gpu_in_the_memory_tier(tokenizer):
+    """Ingested chunk KV is kept on the model's device by the memory tier: reading it back is a device copy."""
+    engine = _cuda_engine("llama", tokenizer, torch.bfloat16)
+    reader = engine.cache.reader(engine.resolve_chunk(engine.ingest(TEXTS[:1], show_progress=False)[0]))
+    k, v = reader.layer(0)
+    assert k.device.type == "cuda" and v.device.type == "cuda"

@@ -56,7 +56,10 @@ def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         kv_heads = k.shape[0]
         # the G query heads of a KV head are G query rows of that head: no K/V expansion, no GQA flag
         grouped = q.view(1, kv_heads, q.shape[0] // kv_heads, q.shape[-1])
-        return out.copy_(F.scaled_dot_product_attention(grouped, k[None], v[None], scale=scale).view_as(out))
+        # the output's layout is the kernel's (CUDA kernels may not return it contiguous): copy into out's shape
+        attn = F.scaled_dot_product_attention(grouped, k[None], v[None], scale=scale)
+        out.view(attn.shape).copy_(attn)
+        return out
     return attend_grouped_mm(q, k, v, scale, out)
 
 

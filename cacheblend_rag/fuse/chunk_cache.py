@@ -102,9 +102,11 @@ class ChunkCache:
             result = run_layers(self.adapter, seq, RowSelection(~seq.cached), record_fresh=True)
         finally:
             seq.close()
+        # KV stays on the model's device: a memory tier keeps it there (on a GPU, loading it back is a device
+        # copy, not a transfer over PCIe, which costs as much as the prefill it saves); slower tiers move it.
         return ChunkKV(
-            keys=tuple(k.cpu() for k in result.fresh_keys),
-            values=tuple(v.cpu() for v in result.fresh_values),
+            keys=tuple(k.contiguous() for k in result.fresh_keys),  # not a view holding a fused q|k|v buffer
+            values=tuple(v.contiguous() for v in result.fresh_values),
             token_ids=token_ids.cpu(),
             positions_start=int(lead_ids.numel()),
         )
