@@ -22,6 +22,7 @@ from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.bench.datasets import rechunk
 from cacheblend_rag.bench.engine_bench import run
 from cacheblend_rag.bench.methods import MethodSpec
+from cacheblend_rag.kernels.attention import _sdpa_masked_cuda
 from cacheblend_rag.store import ChunkKV, KVKey
 from cacheblend_rag.store.memory import MemoryStore
 
@@ -68,11 +69,14 @@ def make_store(kind: str):
 
 def sdpa_variants(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """ms of one masked row-attention call (the layer loop's CacheBlend rows) per SDPA route, for a shape seen
-    for the first time and again: default dispatch with GQA, default without cuDNN, K/V expanded + efficient."""
+    for the first time and again: default dispatch with GQA, default without cuDNN, K/V expanded + efficient,
+    query groups folded into rows + efficient (the loop's route)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def call(route: str, q, k, v, mask):
+        if route == "fold+efficient":  # what the layer loop runs (kernels/attention.py)
+            return _sdpa_masked_cuda(q, k, v, mask, 0.1)
         if route == "expand+efficient":
             g = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -95,10 +99,10 @@ def sdpa_variants(device: torch.device, dtype: torch.dtype) -> list[dict]:
     rows_out = []
     gen = torch.Generator().manual_seed(0)
     for n in (3000, 8000):
-        for route in ("default", "no-cudnn", "expand+efficient"):
+        for route in ("default", "no-cudnn", "expand+efficient", "fold+efficient"):
             first, again = [], []
             for trial in range(3):
-                m = int(0.15 * n) + 7 * trial + {"default": 1, "no-cudnn": 2, "expand+efficient": 3}[route]
+                m = int(0.15 * n) + 7 * trial + {"default": 1, "no-cudnn": 2, "expand+efficient": 3, "fold+efficient": 4}[route]
                 rows = torch.randperm(n, generator=gen)[:m].sort().values.to(device)
                 q = torch.randn(m, 32, 128, device=device, dtype=dtype)
                 k, v = (torch.randn(n, 8, 128, device=device, dtype=dtype) for _ in range(2))

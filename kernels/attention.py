@@ -56,19 +56,20 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 def _sdpa_masked_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """A masked call on CUDA, on the memory-efficient kernel over K/V expanded to the query heads.
+    """A masked call on CUDA, on the memory-efficient kernel, the G query heads of each KV head folded into rows.
 
     Masked GQA is not the efficient kernel's (it wants equal head counts) and flash takes no mask, so SDPA would
-    pick cuDNN, which builds a plan per new shape (every request's row count is new: hundreds of ms, measured
-    on an H200, benchmarks/gpu_shapes.py --sdpa), or the math kernel, which materialises the scores.
+    pick cuDNN, which builds a plan per new shape (every request's row count is new: 47–64 ms a call on an H200,
+    benchmarks/gpu_shapes.py --sdpa), or the math kernel, which materialises the scores. Folding the query groups
+    into rows (G·m rows per KV head, the mask repeated G times) reads each K/V head once, with no expanded copy.
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    (m, heads, d), kv_heads = q.shape, k.shape[1]
+    groups = heads // kv_heads
+    folded = q.view(m, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, groups * m, d)
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                             v.transpose(0, 1)[None], attn_mask=mask[None, None], scale=scale)
-    return out[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(folded[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             attn_mask=mask.repeat(groups, 1)[None, None], scale=scale)
+    return out[0].view(kv_heads, groups, m, -1).permute(2, 0, 1, 3).reshape(m, heads, -1)
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ def run_layers(
     hidden = adapter.embed(seq.token_ids[rows])
     # Per row set (it changes only where the policy narrows it): the rows' cos/sin and attention plans.
     row_rope = rope.rows(rows)
+    num_reused = int(seq.reused[rows].sum())  # counted when the rows change, not per layer: a GPU sync each
     plans: dict[int | None, RowAttentionPlan] = {}  # by sliding window
     result = LoopResult()
     for layer in range(adapter.num_layers):
@@ -103,7 +104,7 @@ def run_layers(
             result.fresh_keys.append(k)
             result.fresh_values.append(v)
         result.rows_per_layer.append(int(rows.numel()))
-        result.reused_rows_per_layer.append(int(seq.reused[rows].sum()))
+        result.reused_rows_per_layer.append(num_reused)
         q = adapter.rope(layer, q, row_rope)
         k_rot = adapter.rope(layer, k, row_rope)
         all_fresh = rows.numel() == num_rows  # every row computed: nothing cached to place
@@ -125,6 +126,7 @@ def run_layers(
             keep = keep | ~seq.cached[rows]  # rows without cached KV can never be dropped
             rows, hidden, q = rows[keep], hidden[keep], q[keep]
             row_rope = rope.rows(rows)
+            num_reused = int(seq.reused[rows].sum())
             plans.clear()
         result.rows = rows
         if num_output_rows is not None and layer == adapter.num_layers - 1:
