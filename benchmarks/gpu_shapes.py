@@ -75,7 +75,7 @@ def sdpa_variants(device: torch.device, dtype: torch.dtype) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def call(route: str, q, k, v, mask):
-        if route == "fold+efficient":  # what the layer loop runs (kernels/attention.py)
+        if route == "fold+efficient":  # what the layer loop runs (cacheblend_rag/kernels/attention.py)
             return _sdpa_masked_cuda(q, k, v, mask, 0.1)
         if route == "expand+efficient":
             g = q.shape[1] // k.shape[1]

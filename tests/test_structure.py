@@ -1,7 +1,6 @@
 """The package's import graph has no cycles, lazy imports (inside functions) included.
 
-Every module of `cacheblend_rag` (with `kernels/` and `integrations/` installed as `cacheblend_rag.kernels` and
-`cacheblend_rag.integrations`, as pyproject's package-dir maps them) is parsed with `ast`; each import of a
+Every module of `cacheblend_rag` is parsed with `ast`; each import of a
 module of the package becomes an edge, wherever it is written. An import runs the `__init__` of every package
 on the way to its target that the importer is not already inside, so those count as edges too; `from pkg
 import name` is an edge to `pkg.name` when that is a module, else to `pkg` (a re-export from its
@@ -19,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TOP = "cacheblend_rag"
-ROOTS = {TOP: REPO / "cacheblend_rag", f"{TOP}.kernels": REPO / "kernels", f"{TOP}.integrations": REPO / "integrations"}
+ROOTS = {TOP: REPO / "cacheblend_rag", f"{TOP}.integrations": REPO / "integrations"}
 
 
 @dataclass(frozen=True)
@@ -200,7 +199,6 @@ def _graph_of(tmp_path: Path, files: dict[str, str], monkeypatch) -> dict[str, d
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     monkeypatch.setitem(ROOTS, TOP, tmp_path / "cacheblend_rag")
-    monkeypatch.delitem(ROOTS, f"{TOP}.kernels")
     monkeypatch.delitem(ROOTS, f"{TOP}.integrations")
     return import_graph()[1]
 

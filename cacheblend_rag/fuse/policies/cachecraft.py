@@ -52,7 +52,6 @@ CHECK_LAYER = 1  # token_choice="hkvd": where deviations are measured (layer 0's
 # Variant metadata (inter/intra attention, ranking) from every third layer: the paper averages over layers, and
 # measuring all 30 after the first token cost ≈ 3× the request's own prefill on a 2-core CPU.
 METADATA_EVERY = 3
-ISOLATED_CCI = 0.5  # sigmoid(0): a chunk never seen in context is assumed neither self-contained nor dependent
 
 
 # ---- the equations ------------------------------------------------------------------------------
