@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from cacheblend_rag import tools as generic_tools
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import METHODS
@@ -36,6 +37,8 @@ from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 
 __all__ = ["CacheBlendLLM", "QueryStatsHandler"]
 
@@ -44,7 +47,7 @@ logger = logging.getLogger(__name__)
 STATS_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed",
               "recompute_ratio_effective", "ttft_s", "num_generated", "recompute_ratio")
 CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed",
-                 "stop", "do_sample", "chunks", "question", "formatted")
+                 "stop", "do_sample", "chunks", "question", "formatted", "grammar")
 
 # Stats of the LLM calls of each query in progress (innermost last); lists are shared with worker threads.
 _QUERY_CALLS: contextvars.ContextVar[tuple[list[dict], ...]] = contextvars.ContextVar("cacheblend_query_calls",
@@ -181,22 +184,44 @@ _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.AS
 
 
 def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """LlamaIndex chat messages as `[{"role", "content"}]` for the model's chat template (text only)."""
+    """LlamaIndex chat messages as `[{"role", "content"}]` for the model's chat template: an assistant message's
+    tool calls (`additional_kwargs["tool_calls"]`) and a tool message's result are written in the generic tool
+    format (`cacheblend_rag.tools`), results verbatim, so stored chunks inside a tool's output are found."""
     out = []
     for m in messages:
+        if m.role == MessageRole.TOOL:
+            out.append(generic_tools.render_result(m.content or ""))
+            continue
         role = _ROLES.get(m.role)
         if role is None:
-            raise ConfigError(f"CacheBlendLLM cannot take a {m.role.value!r} message: the model has no tool calling")
-        out.append({"role": role, "content": m.content or ""})
+            raise ConfigError(f"CacheBlendLLM cannot take a {m.role.value!r} message (system, user, assistant and "
+                              f"tool messages only)")
+        text = m.content or ""
+        for call in m.additional_kwargs.get("tool_calls") or ():
+            text += generic_tools.render_call(call["name"], call["arguments"])
+        out.append({"role": role, "content": text})
     return out
 
 
-class CacheBlendLLM(CustomLLM):
+def _call_kwargs(call: generic_tools.ToolCall) -> dict[str, Any]:
+    """A parsed call as kept in a response's `additional_kwargs["tool_calls"]`."""
+    return {"id": call.id, "name": call.name, "arguments": call.arguments}
+
+
+def _may_be_call(text: str) -> bool:
+    """Whether streamed text so far is, or may still become, a tool call (so it is held back)."""
+    text = text.lstrip()
+    return text.startswith(generic_tools.TOOL_OPEN) or generic_tools.TOOL_OPEN.startswith(text)
+
+
+class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     """A LlamaIndex LLM over a `CacheBlendEngine`; arguments mirror `HuggingFaceLLM`'s main ones.
 
     Set it as `Settings.llm` and use `index.as_query_engine()` / `as_chat_engine()` as usual: chunks that appear
     verbatim in the prompts reuse their KV. `complete(prompt, chunks=[...], question=...)` answers from those
-    chunks explicitly. `context_window` and `model_name` are the engine's model's own.
+    chunks explicitly. `context_window` and `model_name` are the engine's model's own. It is a function-calling
+    LLM (`FunctionAgent`, `predict_and_call`, `structured_predict`, `as_structured_llm`): `chat(messages,
+    tools=[...], tool_choice=...)` constrains decoding to a well-formed call in the generic tool format.
 
     Example:
         >>> llm = CacheBlendLLM(engine=engine, max_new_tokens=8)
@@ -275,7 +300,8 @@ class CacheBlendLLM(CustomLLM):
         """Context window, output budget and name, from the engine's model."""
         engine = self.engine
         return LLMMetadata(context_window=self.context_window or engine.context_window,
-                           num_output=self.max_new_tokens, model_name=engine.model_name, is_chat_model=True)
+                           num_output=self.max_new_tokens, model_name=engine.model_name, is_chat_model=True,
+                           is_function_calling_model=True)
 
     @property
     def last_stats(self) -> dict:
@@ -297,7 +323,7 @@ class CacheBlendLLM(CustomLLM):
             recompute_ratio=gen.get("recompute_ratio", self.recompute_ratio),
             max_new_tokens=gen.get("max_new_tokens", gen.get("max_tokens", self.max_new_tokens)),
             temperature=float(gen.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0,
-            top_p=gen.get("top_p", 1.0), seed=gen.get("seed"), stop=gen.get("stop"),
+            top_p=gen.get("top_p", 1.0), seed=gen.get("seed"), stop=gen.get("stop"), grammar=gen.get("grammar"),
         )
 
     def _split(self, kwargs: dict[str, Any]) -> tuple[list[str] | None, str | None, dict[str, Any]]:
@@ -385,23 +411,85 @@ class CacheBlendLLM(CustomLLM):
 
         return gen()
 
+    def _tool_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
+                      ) -> tuple[list[dict[str, str]], dict[str, Any], list[dict[str, Any]]]:
+        """(chat messages, call kwargs, bound functions): with `tools`, their system text is added and the grammar
+        forces a call or a plain answer as `tool_choice` says."""
+        kwargs = dict(kwargs)
+        tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
+        chat = to_chat_messages(messages)
+        functions = generic_tools.functions_of(tools or [])
+        if functions:
+            choice = generic_tools.normalize_choice(choice, [f["name"] for f in functions])
+            chat = generic_tools.with_tools_prompt(chat, functions, choice)
+            kwargs["grammar"] = generic_tools.tool_grammar(functions, choice)
+            if choice == "none":
+                functions = []  # nothing to parse: the answer is plain text
+        return chat, kwargs, functions
+
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        """Answer chat messages with the model's chat template (stored chunks in them reuse their KV)."""
-        out, info = self._generate(to_chat_messages(messages), kwargs)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=out.text),
-                            additional_kwargs=info)
+        """Answer chat messages with the model's chat template (stored chunks in them reuse their KV); with
+        `tools=` (OpenAI tool dicts), a call to one of them lands in `message.additional_kwargs["tool_calls"]`."""
+        chat, kwargs, functions = self._tool_request(messages, kwargs)
+        out, info = self._generate(chat, kwargs)
+        content, calls = generic_tools.parse_tool_calls(out.text, functions) if functions else (out.text, [])
+        extra = {"tool_calls": [_call_kwargs(c) for c in calls]} if calls else {}
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content.strip() if calls
+                                                else content, additional_kwargs=extra), additional_kwargs=info)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        """Stream a chat answer: each response has the new `delta` and the cumulative message."""
-        pieces, info = self._stream(to_chat_messages(messages), kwargs)
+        """Stream a chat answer: each response has the new `delta` and the cumulative message; with `tools=`,
+        text that may become a call is held back and the last response carries the call."""
+        chat, kwargs, functions = self._tool_request(messages, kwargs)
+        pieces, info = self._stream(chat, kwargs)
 
         def gen() -> ChatResponseGen:
-            text = ""
+            text, held = "", ""
             for piece in pieces:
+                if functions and not text and _may_be_call(held + piece):
+                    held += piece
+                    continue
+                piece, held = held + piece, ""
                 text += piece
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=piece,
                                    additional_kwargs=info)
+            if held:
+                content, calls = generic_tools.parse_tool_calls(held, functions)
+                extra = {"tool_calls": [_call_kwargs(c) for c in calls]} if calls else {}
+                content = content.strip() if calls else content
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text + content,
+                                                       additional_kwargs=extra), delta=content,
+                                   additional_kwargs=info)
 
         return gen()
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The `chat` kwargs of a tool-calling turn: the history, the user's message, the tools as OpenAI specs;
+        `tool_required` forces a call, else `tool_choice` (default "auto"). One call per answer."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(user_msg if isinstance(user_msg, ChatMessage)
+                            else ChatMessage(role=MessageRole.USER, content=user_msg))
+        specs = [tool.metadata.to_openai_tool() for tool in tools]
+        return {"messages": messages, "tools": specs, "tool_choice": "required" if tool_required
+                else (tool_choice or "auto"), **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        """The response's tool calls as ToolSelections (a ValueError without one, unless told not to)."""
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected a tool call in the response, got text: {response.message.content!r}")
+        return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in calls]
