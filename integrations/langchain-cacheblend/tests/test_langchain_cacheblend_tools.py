@@ -114,3 +114,49 @@ def test_standard_init_params(chat):
         hurried.invoke("Tell me about bees.")
     with pytest.raises(ValueError):
         ChatCacheBlend(engine=shared_engine(), timeout=0)
+
+
+def test_langchain_rag_agent_tutorial_tool_results_are_chunk_hits(tmp_path):
+    """LangChain v1's RAG agent tutorial, unchanged but for the model: `create_agent(model, [retrieve_context])`
+    over the user's own langchain-chroma store, the tool serialising documents as the tutorial does. The model
+    call after the tool's turn finds the stored passages inside the ToolMessage and reuses their KV."""
+    from pathlib import Path
+
+    from langchain.agents import create_agent
+    from langchain.agents.middleware import ModelRequest, wrap_model_call
+    from langchain_chroma import Chroma
+
+    from cacheblend_rag import chunk_id
+    from langchain_cacheblend import warm_from_vectorstore
+    from langchain_cacheblend_testing import LocalEmbeddings
+
+    data = Path(__file__).resolve().parents[3] / "examples" / "data"
+    texts = [(data / name).read_text() for name in ("07_senses.txt", "04_honey.txt")]
+    vector_store = Chroma("agent_docs", embedding_function=LocalEmbeddings(), persist_directory=str(tmp_path / "db"))
+    vector_store.add_texts(texts)
+
+    @tool(response_format="content_and_artifact")
+    def retrieve_context(query: str):
+        """Retrieve information to help answer a query."""
+        retrieved_docs = vector_store.similarity_search(query, k=2)
+        serialized = "\n\n".join(f"Source: {doc.metadata}\nContent: {doc.page_content}" for doc in retrieved_docs)
+        return serialized, retrieved_docs
+
+    @wrap_model_call
+    def retrieve_first(request: ModelRequest, handler):
+        """A 135M model left to choose answers directly: the first model call must call the retriever."""
+        if not any(isinstance(m, ToolMessage) for m in request.messages):
+            request = request.override(tool_choice="retrieve_context")
+        return handler(request)
+
+    model = ChatCacheBlend(engine=shared_engine(), max_tokens=96)  # room for the call's query
+    warm_from_vectorstore(model, vector_store)
+    agent = create_agent(model, [retrieve_context], middleware=[retrieve_first],
+                         system_prompt="You have access to a tool that retrieves context. Use it to answer.")
+    result = agent.invoke({"messages": [{"role": "user", "content": "How many eyes does a honeybee have?"}]})
+    messages = result["messages"]
+    tool_messages = [m for m in messages if isinstance(m, ToolMessage)]
+    assert tool_messages and "Content: " in tool_messages[0].content
+    answer = next(m for m in messages[messages.index(tool_messages[0]):] if isinstance(m, AIMessage))
+    hits = answer.response_metadata["cacheblend"]["chunk_hits"]
+    assert set(hits) == {chunk_id(t) for t in texts}, hits
