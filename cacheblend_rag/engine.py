@@ -34,6 +34,7 @@ from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_chunks
 from .fuse.sequence import FusedSequence
 from .ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
 from .ingest.index import ChunkIndex, normalize_prompt_map
+from .ingest.learner import PassageLearner
 from .ingest.neighbors import NEIGHBOR_QUESTION, VARIANT_KINDS, Embed, default_embed, nearest_neighbors
 from .ingest.registry import ChunkRegistry
 from .loading.controller import LoadingController, RatioDecision
@@ -140,6 +141,7 @@ class CacheBlendEngine:
         self.index = chunk_index  # finds stored chunks inside any prompt (generate_prompt, stream_prompt)
         self._controller: LoadingController | None = None
         self._lock = threading.RLock()  # one request at a time on the model: callers serialise
+        self.learner = PassageLearner(lambda text: self.ingest([text], show_progress=False))
 
     @classmethod
     def from_pretrained(
@@ -223,6 +225,12 @@ class CacheBlendEngine:
         if variants is not None:
             self.ingest_variants(ids, k=neighbors, embed=embed, show_progress=show_progress)
         return ids
+
+    def learn(self, texts: Iterable[str]) -> int:
+        """Queue passages a prompt carried (e.g. what a retriever returned) for ingest on a background thread,
+        after the answer: the next prompt that carries one reuses its KV, with no warm step. Stored ones are
+        skipped when their turn comes; returns how many were queued (`engine.learner.wait()` waits for them)."""
+        return self.learner.submit(texts)
 
     def ingest_variants(self, chunk_ids: Iterable[str], *, k: int = 2, embed: Embed | None = None,
                         show_progress: bool = True) -> int:

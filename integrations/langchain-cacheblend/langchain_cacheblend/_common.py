@@ -118,6 +118,9 @@ class EngineFields(BaseModel):
     """Prefill method: full_prefill, prefix_cache, full_reuse or cacheblend."""
     recompute_ratio: float = 0.15
     """Share of reused chunk tokens recomputed per layer (cacheblend only)."""
+    learn_retrieved: bool = True
+    """Ingest, after the answer (on a background thread), the passages a retriever in the same chain returned
+    that the prompt carries: the next run that retrieves them reuses their KV, with no warm step."""
     temperature: float = 0.0
     """Sampling temperature; 0 is greedy."""
     top_p: float = 1.0
@@ -190,3 +193,14 @@ class EngineFields(BaseModel):
         return {"model_name": self.get_engine().model_name, "method": self.method,
                 "recompute_ratio": self.recompute_ratio, "temperature": self.temperature, "top_p": self.top_p,
                 "seed": self.seed}
+
+
+def learn_retrieved(model: EngineFields, run_manager: Any, prompt_text: str) -> None:
+    """Queue for ingest the passages retrievers of this run's chain returned that `prompt_text` carries."""
+    if not model.learn_retrieved or run_manager is None:
+        return
+    from .callbacks import RETRIEVED
+
+    seen = [t for t in RETRIEVED.texts_for(run_manager.run_id) if t in prompt_text]
+    if seen:
+        model.get_engine().learn(seen)

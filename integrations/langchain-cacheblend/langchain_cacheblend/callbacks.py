@@ -1,18 +1,23 @@
-"""`StatsCallbackHandler`: the package's stats of every generation in a run, from any chain."""
+"""`StatsCallbackHandler`: the package's stats of every generation in a run, from any chain; `RetrievedPassages`:
+what retrievers returned in each run tree, for the package's models in that tree to learn."""
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
+from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.outputs import ChatGeneration, LLMResult
+from langchain_core.tracers.context import register_configure_hook
 
 from .retrievers import document_chunk_id
 
-__all__ = ["StatsCallbackHandler"]
+__all__ = ["RetrievedPassages", "StatsCallbackHandler"]
 
 
 class StatsCallbackHandler(BaseCallbackHandler):
@@ -51,3 +56,92 @@ class StatsCallbackHandler(BaseCallbackHandler):
     def last(self) -> dict[str, Any] | None:
         """Stats of the latest generation."""
         return self.requests[-1] if self.requests else None
+
+
+class RetrievedPassages(BaseCallbackHandler):
+    """The page_content of what retrievers returned, per run tree (a chain's root run), for `ChatCacheBlend` /
+    `CacheBlendLLM` in the same tree to learn after their answer (`engine.learn`): the next run that retrieves
+    those passages reuses their KV, with no `warm_from_vectorstore` step.
+
+    One instance is added to every LangChain run through LangChain's configure hook (as its tracers are) when
+    `langchain_cacheblend` is imported; it keeps the trees of runs in progress only, bounded.
+
+    Example:
+        >>> passages = RetrievedPassages()
+        >>> root, retriever = UUID(int=1), UUID(int=2)
+        >>> passages.on_chain_start({}, {}, run_id=root)
+        >>> passages.on_retriever_end([Document("Bees have five eyes.")], run_id=retriever, parent_run_id=root)
+        >>> passages.texts_for(root)
+        ['Bees have five eyes.']
+    """
+
+    run_inline = True  # recorded before the model of the same tree asks
+
+    def __init__(self, max_runs: int = 4096) -> None:
+        self.max_runs = max_runs
+        self._parent: OrderedDict[UUID, UUID | None] = OrderedDict()
+        self._texts: OrderedDict[UUID, list[str]] = OrderedDict()  # by root run
+        self._lock = threading.Lock()
+
+    def _note(self, run_id: UUID, parent_run_id: UUID | None) -> None:
+        with self._lock:
+            self._parent[run_id] = parent_run_id
+            while len(self._parent) > self.max_runs:
+                self._parent.popitem(last=False)
+
+    def _root(self, run_id: UUID) -> UUID:
+        seen = 0
+        while (parent := self._parent.get(run_id)) is not None and seen < self.max_runs:
+            run_id, seen = parent, seen + 1
+        return run_id
+
+    def on_chain_start(self, serialized: Any, inputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
+                       **kwargs: Any) -> None:
+        """Note where the run sits."""
+        self._note(run_id, parent_run_id)
+
+    def on_retriever_start(self, serialized: Any, query: str, *, run_id: UUID, parent_run_id: UUID | None = None,
+                           **kwargs: Any) -> None:
+        """Note where the run sits."""
+        self._note(run_id, parent_run_id)
+
+    def on_chat_model_start(self, serialized: Any, messages: Any, *, run_id: UUID,
+                            parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+        """Note where the run sits."""
+        self._note(run_id, parent_run_id)
+
+    def on_llm_start(self, serialized: Any, prompts: Any, *, run_id: UUID, parent_run_id: UUID | None = None,
+                     **kwargs: Any) -> None:
+        """Note where the run sits."""
+        self._note(run_id, parent_run_id)
+
+    def on_retriever_end(self, documents: Sequence[Document], *, run_id: UUID, parent_run_id: UUID | None = None,
+                         **kwargs: Any) -> None:
+        """Keep the documents' text under the run's tree."""
+        self._note(run_id, parent_run_id)
+        texts = [d.page_content for d in documents if d.page_content.strip()]
+        with self._lock:
+            root = self._root(run_id)
+            self._texts.setdefault(root, []).extend(texts)
+            self._texts.move_to_end(root)
+            while len(self._texts) > self.max_runs:
+                self._texts.popitem(last=False)
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, parent_run_id: UUID | None = None, **kwargs: Any) -> None:
+        """A tree's root ended: forget what it retrieved."""
+        if parent_run_id is None:
+            with self._lock:
+                self._texts.pop(run_id, None)
+
+    on_chain_error = on_chain_end
+
+    def texts_for(self, run_id: UUID) -> list[str]:
+        """The passages retrieved so far in the tree of this run, in order, without repeats."""
+        with self._lock:
+            return list(dict.fromkeys(self._texts.get(self._root(run_id), ())))
+
+
+RETRIEVED = RetrievedPassages()
+"""The instance every LangChain run gets (through the configure hook below)."""
+_RETRIEVED_VAR: ContextVar[RetrievedPassages | None] = ContextVar("langchain_cacheblend_retrieved", default=RETRIEVED)
+register_configure_hook(_RETRIEVED_VAR, inheritable=True)

@@ -42,7 +42,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 
-from ._common import EngineFields, call_settings, check_call_kwargs, close_stream, stats_info, usage
+from ._common import EngineFields, call_settings, check_call_kwargs, close_stream, learn_retrieved, stats_info, usage
 
 __all__ = ["ChatCacheBlend", "StructuredOutputError", "to_chat_messages"]
 
@@ -292,6 +292,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
             stats = {**out.stats.as_dict(), "finish_reason": out.finish_reason,
                      "grammar_satisfied": out.grammar_satisfied}
             message = self._message(out.text, stats, engine, functions)
+        learn_retrieved(self, run_manager, "\n".join(m["content"] for m in chat))
         return ChatResult(generations=[ChatGeneration(message=message)], llm_output={"model_name": engine.model_name})
 
     def _stream(
@@ -323,6 +324,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
             if run_manager:
                 run_manager.on_llm_new_token(content, chunk=chunk)
             yield chunk
+        learn_retrieved(self, run_manager, "\n".join(m["content"] for m in chat))
         yield ChatGenerationChunk(message=AIMessageChunk(
             content="", usage_metadata=usage(stats), response_metadata=self._metadata(engine, stats),
             chunk_position="last"))

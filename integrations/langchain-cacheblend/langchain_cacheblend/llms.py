@@ -22,7 +22,8 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ._common import EngineFields, call_settings, check_call_kwargs, close_stream as _close, stats_info
+from ._common import EngineFields, call_settings, check_call_kwargs, learn_retrieved, stats_info
+from ._common import close_stream as _close
 from .prompts import CacheBlendPromptValue
 
 __all__ = ["CacheBlendLLM"]
@@ -155,6 +156,7 @@ class CacheBlendLLM(EngineFields, BaseLLM):
             info = self._info(out.stats, request)
             infos.append(info)
             generations.append([Generation(text=out.text, generation_info=info)])
+            learn_retrieved(self, run_manager, prompt)
         return LLMResult(generations=generations, llm_output={"model_name": engine.model_name, "requests": infos})
 
     def _stream(
@@ -180,4 +182,5 @@ class CacheBlendLLM(EngineFields, BaseLLM):
                 yield chunk
         finally:
             _close(pieces)  # a consumer that stops early ends the engine's stream (and its decoding) too
+        learn_retrieved(self, run_manager, prompt)
         yield GenerationChunk(text="", generation_info=self._info(stats, request))

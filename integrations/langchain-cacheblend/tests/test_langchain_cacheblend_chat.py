@@ -277,7 +277,7 @@ def test_warm_from_vectorstore_gives_the_tutorial_chain_hits(engine, embeddings,
     fresh = CacheBlendEngine(engine.model, engine.tokenizer, None)  # nothing stored yet
     prompt = ChatPromptTemplate.from_messages([("system", "Context:\n{context}"), ("human", "{question}")])
     chain = ({"context": store.as_retriever(search_kwargs={"k": 2}) | format_docs, "question": lambda q: q}
-             | prompt | ChatCacheBlend(engine=fresh, max_tokens=1))
+             | prompt | ChatCacheBlend(engine=fresh, max_tokens=1, learn_retrieved=False))  # warming alone
     assert chain.invoke(QUESTION).response_metadata["cacheblend"]["chunk_hits"] == []
 
     chat = ChatCacheBlend(engine=fresh)
@@ -301,3 +301,24 @@ def test_create_stuff_documents_chain_hits_warm_chunks(chroma, engine):
     out = chain.invoke({"input": QUESTION}, config={"callbacks": [stats]})
     assert out["answer"] and sorted(stats.last["chunk_hits"]) == sorted(d.id for d in out["context"])
     assert stats.last["per_chunk"] == {d.id: "hit" for d in out["context"]}
+
+
+def test_the_tutorial_chain_learns_retrieved_passages_without_a_warm_step(engine, embeddings, tmp_path):
+    """A user's own langchain-chroma store and LangChain's tutorial chain, nothing warmed: the first run learns
+    what its retriever returned (after the answer, in the background), the second run reuses it."""
+    from langchain_chroma import Chroma
+
+    texts = [(DATA / name).read_text() for name in ("07_senses.txt", "04_honey.txt")]
+    store = Chroma("users_learned", embedding_function=embeddings, persist_directory=str(tmp_path / "db"))
+    store.add_texts(texts)
+    fresh = CacheBlendEngine(engine.model, engine.tokenizer, None)  # nothing stored
+    prompt = ChatPromptTemplate.from_messages([("system", "Context:\n{context}"), ("human", "{question}")])
+    chain = ({"context": store.as_retriever(search_kwargs={"k": 2}) | format_docs, "question": lambda q: q}
+             | prompt | ChatCacheBlend(engine=fresh, max_tokens=1))
+    assert chain.invoke(QUESTION).response_metadata["cacheblend"]["chunk_hits"] == []
+    assert fresh.learner.wait(timeout=300) and fresh.learner.learned == 2
+    assert sorted(chain.invoke(QUESTION).response_metadata["cacheblend"]["chunk_hits"]) == sorted(map(chunk_id, texts))
+    off = CacheBlendEngine(engine.model, engine.tokenizer, None)
+    unlearned = chain.steps[0] | prompt | ChatCacheBlend(engine=off, max_tokens=1, learn_retrieved=False)
+    unlearned.invoke(QUESTION)
+    assert off.learner.learned == 0 and unlearned.invoke(QUESTION).response_metadata["cacheblend"]["chunk_hits"] == []

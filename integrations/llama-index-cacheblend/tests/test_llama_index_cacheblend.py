@@ -206,3 +206,27 @@ def test_the_default_chat_engine_runs_four_turns(chroma_index, li_engine):
         assert len(chat.chat_history) == 8
     finally:
         Settings._llm, Settings._embed_model = saved
+
+
+def test_as_query_engine_learns_retrieved_passages_without_a_warm_step(chroma_index, li_engine):
+    """The README's way — `Settings.llm = CacheBlendLLM(...)`, `index.as_query_engine()`, no postprocessor, no
+    warm step: the first query learns what it retrieved (after its answer), the second one reuses it."""
+    from cacheblend_rag import CacheBlendEngine
+
+    fresh = CacheBlendEngine(li_engine.model, li_engine.tokenizer, None)  # nothing stored
+    saved = Settings._llm, Settings._embed_model
+    Settings.llm, Settings.embed_model = CacheBlendLLM(engine=fresh, max_new_tokens=2), LocalEmbedding()
+    try:
+        qe = chroma_index.as_query_engine(similarity_top_k=2)
+        first = qe.query(QUESTION)
+        assert first.metadata["cacheblend"]["chunk_hits"] == []
+        assert fresh.learner.wait(timeout=300) and fresh.learner.learned == 2
+        second = qe.query(QUESTION)
+        assert sorted(second.metadata["cacheblend"]["chunk_hits"]) == sorted(n.node.id_ for n in second.source_nodes)
+        Settings.llm = CacheBlendLLM(engine=CacheBlendEngine(li_engine.model, li_engine.tokenizer, None),
+                                     max_new_tokens=2, learn_retrieved=False)
+        qe = chroma_index.as_query_engine(similarity_top_k=2)
+        qe.query(QUESTION)
+        assert Settings.llm.engine.learner.learned == 0 and qe.query(QUESTION).metadata["cacheblend"]["chunk_hits"] == []
+    finally:
+        Settings._llm, Settings._embed_model = saved

@@ -35,6 +35,8 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
+from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+from llama_index.core.schema import MetadataMode
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -52,6 +54,10 @@ CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "t
 # Stats of the LLM calls of each query in progress (innermost last); lists are shared with worker threads.
 _QUERY_CALLS: contextvars.ContextVar[tuple[list[dict], ...]] = contextvars.ContextVar("cacheblend_query_calls",
                                                                                       default=())
+
+# Texts of the nodes retrieved in this context (the latest last, bounded): the LLM learns those its prompt carried.
+_RETRIEVED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("cacheblend_retrieved", default=())
+MAX_RETRIEVED = 64
 
 
 def _record(stats: dict) -> None:
@@ -90,8 +96,11 @@ class QueryStatsHandler(BaseEventHandler):
         return "CacheBlendQueryStatsHandler"
 
     def handle(self, event: BaseEvent, **kwargs: Any) -> None:
-        """Open a record at a query's start; attach it at its end."""
-        if isinstance(event, QueryStartEvent):
+        """Open a record at a query's start; attach it at its end; note what a retriever returned."""
+        if isinstance(event, RetrievalEndEvent):
+            texts = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in event.nodes or ()]
+            _RETRIEVED.set((*_RETRIEVED.get(), *(t for t in texts if t.strip()))[-MAX_RETRIEVED:])
+        elif isinstance(event, QueryStartEvent):
             _QUERY_CALLS.set(_QUERY_CALLS.get() + ([],))
         elif isinstance(event, QueryEndEvent):
             stack = _QUERY_CALLS.get()
@@ -251,6 +260,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     home: str | None = Field(default=None, description="Package home of a lazily built engine.")
     method: str = Field(default="cacheblend", description="full_prefill, prefix_cache, full_reuse or cacheblend.")
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Recomputed share of reused tokens.")
+    learn_retrieved: bool = Field(default=True, description="Ingest retrieved passages a prompt carried after "
+                                  "the answer (background), so the next query that retrieves them is a hit.")
 
     _engine: CacheBlendEngine | None = PrivateAttr(default=None)
     _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
@@ -349,7 +360,18 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         info = _info(out.stats, chunks)
         self._last = info
         _record(info)
+        self._learn(prompt)
         return out, info
+
+    def _learn(self, prompt: str | list[dict[str, str]]) -> None:
+        """Queue the retrieved passages this prompt carried for ingest after the answer (`engine.learn`): with
+        `learn_retrieved`, the next query that retrieves them reuses their KV, no warm step or postprocessor."""
+        if not self.learn_retrieved:
+            return
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        seen = [t for t in dict.fromkeys(_RETRIEVED.get()) if t in text]
+        if seen:
+            self.engine.learn(seen)
 
     def _stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]):
         chunks, question, settings = self._split(kwargs)
@@ -373,6 +395,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
                 if close is not None:
                     close()  # a consumer that stops early ends the engine's stream (and its decoding) too
             info.update(_info(stats, chunks))
+            self._learn(prompt)
 
         return pieces(), info
 
