@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..decode.grammar import GrammarCompiler
 from ..errors import (
     CacheBlendError,
     ChunkError,
@@ -35,7 +36,6 @@ from ..errors import (
 from .limits import RequestGuard, check_fits, max_token_chars
 from .metrics import ServerMetrics
 from .runner import EngineCall, Retriever, Sampling, admit_documents, make_scheduler
-from ..decode.grammar import GrammarCompiler
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
 from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout
 from .tooling import CallStream, ChatPlan, answer_message, plan_chat
