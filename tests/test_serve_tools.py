@@ -169,6 +169,20 @@ def test_json_object_parses_and_length_cuts(client):
         Person.model_validate_json(cut.message.content)
 
 
+def test_tools_with_a_response_format_and_with_documents(client):
+    messages = [{"role": "user", "content": "Alice is 30 years old. Extract her name and age."}]
+    either = _chat(client, messages, tools=[WEATHER], tool_choice="auto", response_format=PERSON_FORMAT).choices[0]
+    if either.message.tool_calls:  # "auto" with a response format: a call or that JSON, nothing else
+        _valid_call(either.message.tool_calls[0])
+    else:
+        Person.model_validate_json(either.message.content)
+
+    docs = ["Paris is the capital of France.", "The weather service covers every city in Europe."]
+    out = _chat(client, tools=[WEATHER], tool_choice="required", extra_body={"documents": docs}).choices[0]
+    assert out.finish_reason == "tool_calls"  # the tools' instructions reach the documents path's system text
+    _valid_call(out.message.tool_calls[0])
+
+
 # ---- errors --------------------------------------------------------------------------------------
 
 
@@ -210,6 +224,10 @@ def test_langchain_chat_openai_tools_and_structured_output(server):
 
     msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
     assert [c["name"] for c in msg.tool_calls] == ["get_weather"] and isinstance(msg.tool_calls[0]["args"]["city"], str)
+    streamed = None
+    for chunk in llm.bind_tools([get_weather], tool_choice="any").stream("What is the weather in Paris?"):
+        streamed = chunk if streamed is None else streamed + chunk  # LangChain merges the tool_call_chunks
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in msg.tool_calls]
 
     person = llm.with_structured_output(Person).invoke("Alice is 30 years old. Extract her name and age.")
     assert isinstance(person, Person)
