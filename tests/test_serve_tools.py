@@ -17,7 +17,13 @@ openai = pytest.importorskip("openai")
 from pydantic import BaseModel, ConfigDict, ValidationError  # noqa: E402
 from test_serve import KEY, MODEL, ServerProcess, _home  # noqa: E402
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]
+from cacheblend_rag.serve.tooling import CallStream  # noqa: E402
+
+
+def real_model(test):
+    """A test against the server with the real default model."""
+    return pytest.mark.model(pytest.mark.slow(test))
+
 
 
 class WeatherArgs(BaseModel):
@@ -79,6 +85,7 @@ def _valid_call(call) -> dict:
 # ---- tools -------------------------------------------------------------------------------------
 
 
+@real_model
 def test_forced_call_returns_schema_valid_tool_calls(client):
     out = _chat(client, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}},
                 parallel_tool_calls=False)
@@ -93,6 +100,7 @@ def test_forced_call_returns_schema_valid_tool_calls(client):
     _valid_call(required.message.tool_calls[0])
 
 
+@real_model
 def test_tool_choice_none_gives_text_and_auto_either(client):
     none = _chat(client, tools=[WEATHER], tool_choice="none", max_tokens=24).choices[0]
     assert none.message.tool_calls is None and isinstance(none.message.content, str) and none.message.content
@@ -106,6 +114,7 @@ def test_tool_choice_none_gives_text_and_auto_either(client):
         assert auto.finish_reason in ("stop", "length") and not auto.message.content.startswith("<")
 
 
+@real_model
 def test_streamed_call_accumulates_to_the_same_call(client):
     kw = dict(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     solo = _chat(client, **kw).choices[0].message.tool_calls[0]
@@ -128,6 +137,7 @@ def test_streamed_call_accumulates_to_the_same_call(client):
     assert first.function.arguments + "".join(d.function.arguments for d in rest) == call.function.arguments
 
 
+@real_model
 def test_tool_result_in_history_is_accepted_and_answered_in_text(client):
     first = _chat(client, tools=[WEATHER], tool_choice="required").choices[0].message
     call = first.tool_calls[0]
@@ -143,6 +153,7 @@ def test_tool_result_in_history_is_accepted_and_answered_in_text(client):
 # ---- structured output ---------------------------------------------------------------------------
 
 
+@real_model
 def test_json_schema_strict_content_validates(client):
     messages = [{"role": "user", "content": "Alice is 30 years old. Extract her name and age."}]
     out = _chat(client, messages, response_format=PERSON_FORMAT)
@@ -158,6 +169,7 @@ def test_json_schema_strict_content_validates(client):
     assert Person.model_validate_json(streamed) == person
 
 
+@real_model
 def test_json_object_parses_and_length_cuts(client):
     out = _chat(client, [{"role": "user", "content": "Give the capital of France as JSON."}],
                 response_format={"type": "json_object"})
@@ -169,6 +181,7 @@ def test_json_object_parses_and_length_cuts(client):
         Person.model_validate_json(cut.message.content)
 
 
+@real_model
 def test_tools_with_a_response_format_and_with_documents(client):
     messages = [{"role": "user", "content": "Alice is 30 years old. Extract her name and age."}]
     either = _chat(client, messages, tools=[WEATHER], tool_choice="auto", response_format=PERSON_FORMAT).choices[0]
@@ -186,6 +199,7 @@ def test_tools_with_a_response_format_and_with_documents(client):
 # ---- errors --------------------------------------------------------------------------------------
 
 
+@real_model
 @pytest.mark.parametrize("kw, says", [
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_stock"}}), "get_stock"),
     (dict(tool_choice="required"), "tools"),
@@ -202,6 +216,7 @@ def test_bad_requests_are_400(client, kw, says):
     assert e.value.status_code == 400 and says in e.value.body["message"], e.value.body
 
 
+@real_model
 def test_unparsable_arguments_in_history_are_400(client):
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]},
@@ -213,6 +228,7 @@ def test_unparsable_arguments_in_history_are_400(client):
 # ---- LangChain's ChatOpenAI against the server ---------------------------------------------------
 
 
+@real_model
 def test_langchain_chat_openai_tools_and_structured_output(server):
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(base_url=f"{server.url}/v1", api_key=KEY, model=MODEL, max_tokens=64,
@@ -231,3 +247,36 @@ def test_langchain_chat_openai_tools_and_structured_output(server):
 
     person = llm.with_structured_output(Person).invoke("Alice is 30 years old. Extract her name and age.")
     assert isinstance(person, Person)
+
+
+# ---- the stream of a call, in process ------------------------------------------------------------
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": {"name": "Paris"}, "unit": "celsius"}}</tool_call>'
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 13, len(CALL)])
+def test_call_stream_sends_header_then_argument_pieces(size):
+    stream = CallStream([WEATHER["function"]])
+    deltas = [d for i in range(0, len(CALL), size) for d in stream.feed(CALL[i:i + size])] + stream.finish()
+    calls = [d["tool_calls"][0] for d in deltas]
+    assert all("content" not in d for d in deltas) and stream.called
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and calls[0]["id"].startswith("call_")
+    assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:])
+    arguments = "".join(c["function"]["arguments"] for c in calls)
+    assert json.loads(arguments) == {"city": {"name": "Paris"}, "unit": "celsius"}
+    if size < len(CALL):
+        assert len(calls) > 2  # pieces went out before the answer ended
+
+
+def test_call_stream_text_and_odd_shapes():
+    text = CallStream([WEATHER["function"]])
+    assert text.feed("  ") == [] and text.feed(" Sunny") == [{"content": "Sunny"}]
+    assert text.feed(", 24 C") == [{"content": ", 24 C"}] and text.finish() == [] and not text.called
+
+    cut = CallStream([WEATHER["function"]])  # a call cut by max_tokens before its header: content
+    assert cut.feed("<tool_ca") == [] and cut.finish() == [{"content": "<tool_ca"}] and not cut.called
+
+    reordered = CallStream([WEATHER["function"]])  # keys in another order: the call goes out whole at the end
+    assert reordered.feed('<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>') == []
+    (delta,) = reordered.finish()
+    assert delta["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
