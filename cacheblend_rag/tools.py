@@ -95,15 +95,49 @@ def call_schema(functions: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def tool_grammar(functions: Sequence[dict[str, Any]], choice: str) -> Grammar | None:
-    """The grammar for an answer under `choice`: a call, or a call or plain text ("auto"); None for "none"."""
+def tool_grammar(functions: Sequence[dict[str, Any]], choice: str,
+                 answer: dict[str, Any] | None = None) -> Grammar | None:
+    """The grammar for an answer under `choice`: a call, or a call or plain text ("auto"); None for "none".
+    `answer`: a JSON schema the plain answer must match instead ("auto" with a response format: a call or that
+    JSON, which starts with "{" and so can never be a malformed call)."""
     if choice == "none":
-        return None
+        return None if answer is None else Grammar.json_schema(answer)
     targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
     call = f'call: "{TOOL_OPEN}" %json {json.dumps(call_schema(targets))} "{TOOL_CLOSE}"'
+    if choice == "auto" and answer is not None:
+        return Grammar.lark(f"start: call | answer\n{call}\nanswer: %json {json.dumps(answer)}\n")
     if choice == "auto":  # plain text may not start with "<", so it can never be a malformed call
         return Grammar.lark(f"start: call | text\n{call}\ntext: /[^<][\\s\\S]*/\n")
     return Grammar.lark(f"start: call\n{call}\n")
+
+
+def response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The JSON schema an OpenAI-style `response_format` holds the answer to (None for {"type": "text"} or none):
+    `{"type": "json_object"}` any JSON object (or, as LangChain's json_mode passes it, its `schema`),
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` that schema with its objects closed
+    (strict or not: the schema is always enforced). ConfigError for any other shape."""
+    kind = (response_format or {}).get("type", "text") if isinstance(response_format, (dict, type(None))) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = response_format.get("schema")
+        return closed(schema) if isinstance(schema, dict) else {"type": "object"}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if isinstance(schema, dict):
+            return closed(schema)
+        raise ConfigError('response_format {"type": "json_schema"} needs json_schema.schema, a JSON schema object: '
+                          '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}')
+    raise ConfigError(f'response_format must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+                      f'"json_schema", "json_schema": {{"name", "schema"}}}}, got {response_format!r}')
+
+
+def response_grammar(response_format: dict[str, Any] | None) -> Grammar | None:
+    """The grammar of an OpenAI-style `response_format` (None for text)."""
+    schema = response_schema(response_format)
+    if schema is None:
+        return None
+    return Grammar.json_object() if schema == {"type": "object"} else Grammar.json_schema(schema)
 
 
 def tools_prompt(functions: Sequence[dict[str, Any]], choice: str) -> str:

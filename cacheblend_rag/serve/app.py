@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..decode.grammar import GrammarCompiler
 from ..errors import (
     CacheBlendError,
     ChunkError,
@@ -37,6 +38,7 @@ from .metrics import ServerMetrics
 from .runner import EngineCall, Retriever, Sampling, admit_documents, make_scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
 from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout
+from .tooling import CallStream, ChatPlan, answer_message, plan_chat
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +192,7 @@ class _Server:
         self.created = int(time.time())
         self._mean_latency_s: float | None = None
         self.chars_per_token = max_token_chars(engine.tokenizer)  # bounds a prompt's tokens from its length
+        self.grammars = GrammarCompiler(engine.tokenizer)  # checks a request's grammar before it queues
 
     # ---- requests to engine calls ---------------------------------------------------------
 
@@ -199,7 +202,7 @@ class _Server:
                            f"{self.config.model_name!r} (GET /v1/models)", code="model_not_found")
 
     def _call(self, body: _Generation, question: str, system: str | None, default_max_tokens: int,
-              messages: tuple[dict, ...] = ()) -> EngineCall:
+              messages: tuple[dict, ...] = (), grammar=None) -> EngineCall:
         documents: list[str] = []
         for doc in body.documents or []:
             documents.append(doc if isinstance(doc, str) else (doc.text if doc.text is not None else doc.id or ""))
@@ -215,21 +218,26 @@ class _Server:
             recompute_ratio=opts.recompute_ratio,
             policy_options=opts.policy_options(),
             sampling=Sampling(body.new_tokens(default_max_tokens), body.temperature, body.top_p,
-                              tuple(body.stop or ()), body.seed),
+                              tuple(body.stop or ()), body.seed, grammar),
         )
 
-    def chat_call(self, body: ChatCompletionRequest) -> EngineCall:
-        """Chat messages → engine call: the last user message is the question, system messages the system text."""
+    def chat_call(self, body: ChatCompletionRequest) -> tuple[EngineCall, ChatPlan]:
+        """Chat messages → engine call: the last user message is the question, system messages (and the tools' or
+        schema's instructions) the system text; the plan says which tools an answer may call."""
         try:
             system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer")) or None
             users = [m for m in body.messages if m.role == "user"]
             if not users:
                 raise APIError(400, "messages need at least one user message (the question)", code="invalid_value")
             question = users[-1].text()
-            messages = tuple({"role": m.role, "content": m.text()} for m in body.messages)
-        except ValueError as e:
+            plan = plan_chat(body)
+        except (ValueError, ConfigError) as e:
             raise APIError(400, str(e), code="invalid_value") from e
-        return self._call(body, question, system, self.config.default_max_tokens, messages)
+        if plan.system_text:
+            system = f"{system}\n\n{plan.system_text}" if system else plan.system_text
+        call = self._call(body, question, system, self.config.default_max_tokens, tuple(plan.messages),
+                          plan.grammar)
+        return call, plan
 
     def completion_call(self, body: CompletionRequest) -> EngineCall:
         """A completion prompt → engine call (the prompt is the question)."""
@@ -242,6 +250,8 @@ class _Server:
             raise APIError(400, f"{len(call.documents)} documents and chunk ids; this server takes at most "
                            f"{self.config.max_documents} per request", code="too_many_documents")
         check_fits(call, int(self.engine.context_window), self.chars_per_token)
+        if call.sampling.grammar is not None:
+            self.grammars.state(call.sampling.grammar)  # GrammarError (a 400) for a schema that does not compile
         return admit_documents(self.engine, call)
 
     async def admit(self, call: EngineCall) -> EngineCall:
@@ -270,7 +280,8 @@ class _Server:
         self._mean_latency_s = latency if self._mean_latency_s is None else 0.8 * self._mean_latency_s + 0.2 * latency
         return usage
 
-    async def respond(self, request: Request, body: _Generation, call: EngineCall, chat: bool):
+    async def respond(self, request: Request, body: _Generation, call: EngineCall, chat: bool,
+                      plan: ChatPlan | None = None):
         """Queue the call and answer with JSON, or with SSE once the first piece (or an error) is known."""
         try:
             call = await self.admit(call)
@@ -289,7 +300,7 @@ class _Server:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if body.stream:
                 streaming = True
-                return StreamingResponse(self._stream(job, first, body, chat, rid, ttft_s),
+                return StreamingResponse(self._stream(job, first, body, chat, rid, ttft_s, plan),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             texts, event, checked = [], first, time.monotonic()
@@ -309,7 +320,8 @@ class _Server:
             text = "".join(texts).strip()
             choice: dict = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"], choice["finish_reason"] = answer_message(
+                    text, event.finish_reason, plan.functions if plan else ())
             else:
                 choice["text"] = text
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -319,15 +331,18 @@ class _Server:
                 job.cancel()  # a no-op once the job is done; stops it when the handler failed or its client left
 
     async def _stream(self, job: Job, first: Piece | Done, body: _Generation, chat: bool, rid: str,
-                      ttft_s: float) -> AsyncIterator[str]:
-        """SSE chunks: the role, content deltas, the finish reason, usage (if asked), then [DONE]."""
+                      ttft_s: float, plan: ChatPlan | None = None) -> AsyncIterator[str]:
+        """SSE chunks: the role, content (or tool-call) deltas, the finish reason, usage (if asked), then [DONE]."""
         created, model = int(time.time()), self.config.model_name
         include_usage = body.include_usage()
+        calls = CallStream(plan.functions) if plan is not None and plan.functions else None
 
-        def chunk(content: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
+        def chunk(content: str | dict | None, finish_reason: str | None = None, role: bool = False) -> dict:
             if chat:
                 delta: dict = {"role": "assistant"} if role else {}
-                if content is not None:
+                if isinstance(content, dict):  # a delta from CallStream
+                    delta.update(content)
+                elif content is not None:
                     delta["content"] = content
                 choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
             else:
@@ -344,14 +359,23 @@ class _Server:
             event: Piece | Done | Failed = first
             leading = True  # strip the answer's leading whitespace, as the non-streaming answer is stripped
             while True:
-                if isinstance(event, Piece):
+                if isinstance(event, Piece) and calls is not None:
+                    for delta in calls.feed(event.text):
+                        yield _sse(chunk(delta))
+                elif isinstance(event, Piece):
                     text = event.text.lstrip() if leading else event.text
                     if text:
                         leading = False
                         yield _sse(chunk(text))
                 elif isinstance(event, Done):
+                    finish_reason = event.finish_reason
+                    if calls is not None:
+                        for delta in calls.finish():
+                            yield _sse(chunk(delta))
+                        if calls.called and finish_reason != "length":
+                            finish_reason = "tool_calls"
                     usage = self._finished(job, event.stats, ttft_s)
-                    yield _sse(chunk(None if chat else "", event.finish_reason))
+                    yield _sse(chunk(None if chat else "", finish_reason))
                     if include_usage:
                         yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                     "created": created, "model": model, "choices": [], "usage": usage})
@@ -434,7 +458,8 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server._check_model(body)
-        return await server.respond(request, body, server.chat_call(body), chat=True)
+        call, plan = server.chat_call(body)
+        return await server.respond(request, body, call, chat=True, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from ..decode.grammar import Grammar
 from ..errors import CollectionNotFoundError, PromptTooLongError
 from ..fuse.layout import PromptTemplate
 from ..ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
@@ -34,6 +35,7 @@ class Sampling:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    grammar: Grammar | None = None  # constrained decoding (tools, response_format)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) ->
     """Text pieces of the answer; `stats` gets the engine's stats (and `retrieved`, the retrieved passages' count)."""
     s = call.sampling
     sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                    stop=list(s.stop) or None, seed=s.seed)
+                    stop=list(s.stop) or None, seed=s.seed, grammar=s.grammar)
     if not call.documents and call.retrieval is None:
         prompt = list(call.messages) if call.messages else call.question
         return engine.stream_prompt(prompt, call.method, call.recompute_ratio, stats=stats, **sampling,
@@ -167,7 +169,7 @@ def start_job(engine, retriever: Retriever, job: Job) -> ActiveRequest:
     """Prefill one job (on the worker thread, under the engine's lock): a request ready to join the batch."""
     call, s = job.call, job.call.sampling
     sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                    stop=list(s.stop) or None, seed=s.seed)
+                    stop=list(s.stop) or None, seed=s.seed, grammar=s.grammar)
     stats: dict = {}
     if not call.documents and call.retrieval is None:
         prompt = list(call.messages) if call.messages else call.question

@@ -209,13 +209,36 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    """The function an assistant message called: its name and its arguments as JSON text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    arguments: str = "{}"
+
+
+class MessageToolCall(_Body):
+    """One tool call of an earlier assistant message (`message.tool_calls[i]` sent back)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    """One chat message."""
+    """One chat message: an assistant's may carry `tool_calls` (content null), a tool's result is `role: "tool"`
+    with `tool_call_id`."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         """The message's text (text parts joined); other parts are refused."""
@@ -229,11 +252,70 @@ class ChatMessage(_Body):
         return "".join(part.text or "" for part in self.content)
 
 
+class FunctionSpec(_Body):
+    """A tool's function: its name, what it does, and the JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's rule for names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; the arguments' schema is always enforced
+
+
+class Tool(_Body):
+    """One entry of `tools`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class JSONSchemaFormat(_Body):
+    """`response_format.json_schema`: the schema the answer must match."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid for a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError('response_format {"type": "json_schema"} needs json_schema.schema: '
+                             '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}')
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The format as `cacheblend_rag.tools.response_schema` takes it."""
+        out: dict[str, Any] = {"type": self.type}
+        if self.json_schema is not None:
+            out["json_schema"] = {"name": self.json_schema.name, "schema": self.json_schema.schema_,
+                                  "strict": self.json_schema.strict}
+        return out
+
+
 class ChatCompletionRequest(_Generation):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # one call per answer either way (docs/serve.md)
+    response_format: ResponseFormat | None = None
 
     def new_tokens(self, default: int) -> int:
         """The most tokens to generate."""

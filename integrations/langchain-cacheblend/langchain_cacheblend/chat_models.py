@@ -18,7 +18,6 @@ from operator import itemgetter
 from typing import Any, Literal
 
 from cacheblend_rag import tools as generic_tools
-from cacheblend_rag.decode.grammar import Grammar
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -109,18 +108,6 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
             text += "".join(generic_tools.render_call(c["name"], c["args"]) for c in message.tool_calls)
         out.append({"role": role, "content": text})
     return out
-
-
-def _response_grammar(response_format: dict[str, Any]) -> Grammar:
-    """The grammar of an OpenAI-style `response_format` ({"type": "json_object"} or "json_schema")."""
-    kind = response_format.get("type")
-    if kind == "json_object":  # with_structured_output(method="json_mode") adds the schema it parses with
-        schema = response_format.get("schema")
-        return Grammar.json_schema(generic_tools.closed(schema)) if schema else Grammar.json_object()
-    if kind == "json_schema" and isinstance(response_format.get("json_schema", {}).get("schema"), dict):
-        return Grammar.json_schema(generic_tools.closed(response_format["json_schema"]["schema"]))
-    raise ConfigError(f'response_format must be {{"type": "json_object"}} or {{"type": "json_schema", '
-                      f'"json_schema": {{"name", "schema"}}}}, got {response_format!r}')
 
 
 def _check_complete(message: BaseMessage) -> BaseMessage:
@@ -220,7 +207,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         if kwargs.get("response_format") is not None:
             if kwargs.get("tools"):
                 raise ConfigError("pass tools or response_format, not both (use with_structured_output or bind_tools)")
-            settings["grammar"] = _response_grammar(kwargs["response_format"])
+            settings["grammar"] = generic_tools.response_grammar(kwargs["response_format"])
         return settings
 
     def _request(self, messages: list[BaseMessage], stop: list[str] | None,

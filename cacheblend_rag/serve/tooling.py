@@ -1,0 +1,199 @@
+"""OpenAI tool calling and structured output for `/v1/chat/completions`, on `cacheblend_rag.tools`' generic format.
+
+A request's `tools`, `tool_choice` and `response_format` become a `ChatPlan`: the chat messages with the tools' (or
+the schema's) system text, and the grammar the answer must match (`tools.tool_grammar` / `tools.response_schema`,
+the same ones `ChatCacheBlend.bind_tools` and `with_structured_output` use). History comes back in the same
+format: an assistant message's `tool_calls` as `<tool_call>` text, a `tool` message as a `<tool_response>` user
+message (its content verbatim, so stored chunks in a retriever tool's result are reused).
+
+The answer becomes `message.tool_calls` (`answer_message`); streamed, `CallStream` turns text pieces into the
+deltas the OpenAI SDK accumulates: content, or one call's header (index, id, type, name, arguments "") followed by
+its arguments' text in pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import tools as generic_tools
+from ..decode.grammar import Grammar
+from ..errors import ConfigError
+from .schemas import ChatCompletionRequest, ChatMessage
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """What a chat request asks of the engine beyond its sampling settings."""
+
+    messages: list[dict[str, str]]  # the whole chat, rendered, with the system text below added
+    system_text: str | None = None  # the tools' or schema's instructions (also for the documents path's template)
+    grammar: Grammar | None = None
+    functions: list[dict[str, Any]] = field(default_factory=list)  # the tools an answer may call (parsed for)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def render_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """`[{"role", "content"}]` for the chat template: calls and results in the generic tool format."""
+    out = []
+    for m in messages:
+        if m.role in ("tool", "function"):
+            out.append(generic_tools.render_result(m.text()))
+            continue
+        text = m.text()
+        for call in m.tool_calls or []:
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"tool call {call.function.name!r} of an assistant message: arguments are not "
+                                  f"JSON ({e}); send them as the JSON text the call returned") from None
+            text += generic_tools.render_call(call.function.name, arguments)
+        out.append({"role": m.role, "content": text})
+    return out
+
+
+def plan_chat(body: ChatCompletionRequest) -> ChatPlan:
+    """The plan of one chat request; ConfigError (a 400) for an unknown tool_choice, a bad schema, ..."""
+    messages = render_messages(body.messages)
+    answer = generic_tools.response_schema(body.response_format.as_dict() if body.response_format else None)
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    if not tools:
+        if body.tool_choice not in (None, "none", "auto"):
+            raise ConfigError(f"tool_choice {body.tool_choice!r} needs `tools`; this request sends none")
+        if answer is None:
+            return ChatPlan(messages)
+        text = generic_tools.schema_prompt(answer) if body.response_format.type == "json_schema" else \
+            "Answer with only a JSON object."
+        return ChatPlan(generic_tools.with_system_text(messages, text), text, generic_tools.response_grammar(
+            body.response_format.as_dict()))
+    functions = generic_tools.functions_of(tools)
+    choice = generic_tools.normalize_choice(body.tool_choice, [f["name"] for f in functions])
+    text = generic_tools.tools_prompt(functions, choice)
+    if answer is not None and choice in ("auto", "none"):
+        text += "\n" + (generic_tools.schema_prompt(answer) if body.response_format.type == "json_schema"
+                        else "Otherwise answer with only a JSON object.")
+    grammar = generic_tools.tool_grammar(functions, choice, answer)
+    return ChatPlan(generic_tools.with_system_text(messages, text), text, grammar,
+                    [] if choice == "none" else functions)
+
+
+def tool_call_json(call: generic_tools.ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call as OpenAI's `message.tool_calls[i]` (arguments as JSON text)."""
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+    return out if index is None else {"index": index, **out}
+
+
+def answer_message(text: str, finish_reason: str, functions: Sequence[dict[str, Any]]) -> tuple[dict, str]:
+    """(the assistant message, its finish_reason): a well-formed call becomes `tool_calls` with null content and
+    finish_reason "tool_calls"; anything else (a call cut by max_tokens included) stays content."""
+    content, calls = generic_tools.parse_tool_calls(text, functions) if functions else (text, [])
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    return ({"role": "assistant", "content": content.strip() or None,
+             "tool_calls": [tool_call_json(c) for c in calls]}, "tool_calls")
+
+
+# `<tool_call>{"name": "NAME", "arguments": ` — the grammar writes the call's keys in its schema's order
+_HEAD = re.compile(r'\s*' + re.escape(generic_tools.TOOL_OPEN) + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,'
+                   r'\s*"arguments"\s*:\s*')
+_TAIL = re.compile(r'\}\s*' + re.escape(generic_tools.TOOL_CLOSE) + r'\s*$')
+
+
+class CallStream:
+    """Streamed text pieces → chat deltas (`{"content"}` or `{"tool_calls": [...]}`), the call's arguments
+    streamed as they are decoded.
+
+    Text that is, or may still become, a call is held back; once `<tool_call>{"name": ..., "arguments": ` is
+    complete the call's header goes out, then its arguments' text except a tail that may be the call's closing
+    `}</tool_call>`. A call whose text does not match that shape goes out whole at the end, or as content when it
+    is not a well-formed call (cut by max_tokens)."""
+
+    def __init__(self, functions: Sequence[dict[str, Any]]) -> None:
+        self.functions = list(functions)
+        self.text = ""  # everything seen
+        self.mode = "undecided"  # "text" once it cannot be a call, "args" once the call's header went out
+        self.args_start = 0  # where the arguments' text starts in `text`
+        self.sent = 0  # characters of the arguments' text already sent
+        self.calls = 0
+
+    def _header(self, name: str, arguments: str = "") -> dict:
+        self.calls += 1
+        return {"tool_calls": [{"index": 0, "id": _call_id(), "type": "function",
+                                "function": {"name": name, "arguments": arguments}}]}
+
+    @staticmethod
+    def _arguments(piece: str) -> dict:
+        return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+
+    def feed(self, piece: str) -> list[dict]:
+        """The deltas this piece releases."""
+        self.text += piece
+        if self.mode == "text":
+            return [{"content": piece}] if piece else []
+        if self.mode == "undecided":
+            stripped = self.text.lstrip()
+            if not stripped:
+                return []
+            if not (stripped.startswith(generic_tools.TOOL_OPEN) or generic_tools.TOOL_OPEN.startswith(stripped)):
+                self.mode = "text"
+                return [{"content": stripped}]
+            head = _HEAD.match(self.text)
+            if head is None:
+                return []
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except json.JSONDecodeError:
+                return []
+            if name not in {f["name"] for f in self.functions}:
+                return []  # left to the final parse
+            self.mode, self.args_start = "args", head.end()
+            return [self._header(name), *self._release(final=False)]
+        return self._release(final=False)
+
+    def _release(self, final: bool) -> list[dict]:
+        args = self.text[self.args_start:]
+        if final:
+            tail = _TAIL.search(args)
+            end = tail.start() if tail else len(args)
+        else:  # hold back from the last "}" when all after it may still be the closing `}</tool_call>`
+            end = len(args.rstrip())
+            brace = args.rfind("}")
+            if brace >= 0:
+                after = args[brace + 1:].lstrip()
+                if generic_tools.TOOL_CLOSE.startswith(after) or after.startswith(generic_tools.TOOL_CLOSE):
+                    end = min(end, brace)
+        if end <= self.sent:
+            return []
+        piece, self.sent = args[self.sent:end], end
+        return [self._arguments(piece)]
+
+    def finish(self) -> list[dict]:
+        """The deltas held back at the end of the answer."""
+        if self.mode == "args":
+            return self._release(final=True)
+        if self.mode == "text" or not self.text.strip():
+            return []
+        content, calls = generic_tools.parse_tool_calls(self.text, self.functions)
+        if not calls:
+            self.mode = "text"
+            return [{"content": self.text.strip()}]
+        out = []
+        for i, call in enumerate(calls):  # the grammar allows one; parse_tool_calls may find more
+            delta = self._header(call.name, json.dumps(call.arguments))
+            delta["tool_calls"][0]["index"] = i
+            out.append(delta)
+        if content.strip():
+            out.append({"content": content.strip()})
+        return out
+
+    @property
+    def called(self) -> bool:
+        """Whether a call went out (finish_reason "tool_calls")."""
+        return self.calls > 0
