@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.decode.generate import SamplingOptions, decode
-from cacheblend_rag.decode.kv_decode import (GROUPED_MM_FROM_KEYS, KVDecoder, StopFilter, attend, attend_grouped_mm,
-                                             attend_torch, kv_decode)
+from cacheblend_rag.decode.kv_decode import (GROUPED_MM_FROM_KEYS, KVDecoder, attend, attend_grouped_mm, attend_torch,
+                                             kv_decode)
+from cacheblend_rag.decode.text import StopFilter
 from cacheblend_rag.kernels import decode_step as kernel
 
 TEXTS = [

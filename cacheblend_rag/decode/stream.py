@@ -10,12 +10,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .generate import SamplingOptions, cut_at_stop
+from .generate import SamplingOptions
+from .text import IncrementalText, StopFilter
 
 
 def token_streamer(tokenizer):
-    """A TextIteratorStreamer that hands out text as each token is decoded, not only at word boundaries (the
-    first word of an answer then arrives one decode step sooner); only an incomplete UTF-8 sequence waits."""
+    """A TextIteratorStreamer that hands out text as each token is decoded (`IncrementalText`), not only at word
+    boundaries: the first word of an answer arrives one decode step sooner."""
     from transformers import TextIteratorStreamer
 
     class TokenStreamer(TextIteratorStreamer):
@@ -27,16 +28,12 @@ def token_streamer(tokenizer):
             if self.skip_prompt and self.next_tokens_are_prompt:
                 self.next_tokens_are_prompt = False
                 return
-            self.token_cache.extend(value.tolist())
-            text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
-            stable = len(text.rstrip("\ufffd"))  # a multi-byte character split across tokens waits for its rest
-            printable = text[self.print_len:stable]
-            self.print_len = max(self.print_len, stable)
-            if text.endswith("\n"):  # decoding restarts after a newline: each put stays cheap
-                self.token_cache, self.print_len = [], 0
-            self.on_finalized_text(printable)
+            for token_id in value.tolist():
+                self.on_finalized_text(self.text.push(token_id))
 
-    return TokenStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer = TokenStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer.text = IncrementalText(tokenizer)
+    return streamer
 
 
 def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], tokenizer, sampling: SamplingOptions,
@@ -89,21 +86,14 @@ def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], token
 
 
 def stop_filtered(pieces: Iterable[str], stop: tuple[str, ...]) -> Iterator[str]:
-    """Pass text pieces through, holding back enough to cut at a stop string that spans pieces."""
-    if not stop:
-        yield from (p for p in pieces if p)
-        return
-    hold = max(len(s) for s in stop) - 1
-    buffer = ""
+    """Pass text pieces through `StopFilter`: cut at the first stop string, even one that spans pieces."""
+    cut = StopFilter(stop)
     for piece in pieces:
-        buffer += piece
-        text, found = cut_at_stop(buffer, stop)
-        if found:
-            if text:
-                yield text
-            return
-        if len(buffer) > hold:
-            out, buffer = buffer[: len(buffer) - hold], buffer[len(buffer) - hold :]
+        out = cut.push(piece)
+        if out:
             yield out
-    if buffer:
-        yield buffer
+        if cut.found:
+            return
+    rest = cut.flush()
+    if rest:
+        yield rest
