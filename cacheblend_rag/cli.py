@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from . import settings
 from .arguments import parse_size, positive_int
 from .errors import CacheBlendError, ConfigError
-from .fuse.policies import METHODS
+from .fuse.policies import POLICIES
 from .models.loader import DEFAULT_MODEL
 
 CHAINS = ("map_reduce", "map_rerank")
@@ -42,6 +42,17 @@ _MAX_LISTED = 20  # skipped files listed one per line; the rest are counted
 
 
 # ---- argument types: a bad value is a usage error (exit 2), never a traceback --------------
+
+
+def _policy_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = value
+    return key.strip(), tuple(parsed) if isinstance(parsed, list) else parsed
 
 
 def _ratio(text: str) -> float:
@@ -376,8 +387,11 @@ def _add_ask(subparsers) -> None:
     p.add_argument("question", help="the question (must not be empty)")
     _common(p)
     p.add_argument("--k", type=positive_int, default=6, help="chunks to retrieve (default 6)")
-    p.add_argument("--method", default="cacheblend", choices=METHODS + CHAINS,
+    p.add_argument("--method", default="cacheblend", choices=(*POLICIES, *CHAINS),
                    help="prefill method (stuff chain) or chain; default cacheblend")
+    p.add_argument("--option", action="append", type=_policy_option, default=[], metavar="KEY=VALUE",
+                   help="an option of the method's policy, e.g. --option check_layers=[1,2] --option guard=0.1 "
+                        "(VALUE is JSON, else a string; repeatable)")
     p.add_argument("--ratio", type=_ratio, default=0.15,
                    help="CacheBlend recompute ratio in [0, 1] (default 0.15)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="most tokens to generate (default 64)")
@@ -430,12 +444,12 @@ def _run_ask(args: argparse.Namespace) -> int:
               "`cacheblend-rag ingest PATH` with the same --home/--collection first", file=sys.stderr)
         return 1
     engine = _engine(args)
-    method = args.method if args.method in METHODS else "cacheblend"
+    method = args.method if args.method in POLICIES else "cacheblend"
     # One paragraph by default; a base model (no chat template, e.g. gemma3-270m) answering the plain template's
     # "Question: ...\nAnswer:" goes on to write the next "Question:" after a single newline.
     stop = [s for s in (args.stop if args.stop is not None else ["\n\n", "\nQuestion:"]) if s]
     llm = CacheBlendLLM(engine=engine, model=args.model, method=method, recompute_ratio=args.ratio,
-                        max_new_tokens=args.max_new_tokens, stop=stop or None)
+                        max_new_tokens=args.max_new_tokens, stop=stop or None, policy_options=dict(args.option))
     retriever = ChunkIdRetriever(base=ChromaRetriever(store=store, k=args.k))
     make = {"map_reduce": create_map_reduce_chain, "map_rerank": create_map_rerank_chain}.get(args.method,
                                                                                              create_stuff_chain)

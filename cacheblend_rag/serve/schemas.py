@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..decode.generate import SEED_MAX, SEED_MIN
-from ..fuse.policies import METHODS
+from ..errors import ConfigError
+from ..fuse.policies import POLICIES, make_policy, takes_ratio
 from ..ingest.chunks import looks_like_chunk_id
 
 MAX_STOP = 4  # as OpenAI
@@ -94,44 +95,40 @@ def _is_ip(text: str) -> bool:
 
 
 class CacheBlendOptions(_Body):
-    """How the prompt's chunks are fused: the engine's method and CacheBlend's hyper-parameters."""
+    """How the prompt's chunks are fused: the engine's method and that method's own options, whichever policy of
+    the registry it is (`fuse.policies.POLICIES`): e.g. {"method": "cacheblend", "recompute_ratio": 0.3,
+    "check_layers": [1, 2]} or {"method": "cachecraft", "alpha": 0.5, "guard": 0.1}. An option the method does not
+    take, or a value it refuses, is a 400 naming it (the policy's own check, as every surface runs it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # the method's options: checked by the policy itself, below
 
-    method: Literal[METHODS] = "cacheblend"  # type: ignore[valid-type]  # the engine's method names
+    method: str = "cacheblend"
+    """Any method of the policy registry (`fuse.policies.POLICIES`), one registered by a plugin included."""
     recompute_ratio: float | Literal["auto"] | None = None
-    """Share of reused tokens recomputed, within [0, 1], or "auto" (the loading controller); cacheblend only."""
-    check_layers: list[int] | None = None
-    candidate_factor: float | None = Field(default=None, ge=1)
-    filter_layer: int | None = Field(default=None, ge=0)
-    deviation: Literal["k", "v", "kv"] | None = None
-    selection: Literal["global", "per_chunk", "random"] | None = None
-    chunk_head_tokens: int | None = Field(default=None, ge=0)
-    weight: Literal["attention", "none"] | None = None
+    """Share of reused tokens recomputed, within [0, 1], or "auto" (the loading controller)."""
 
-    @field_validator("recompute_ratio")
+    @field_validator("method")
     @classmethod
-    def _ratio_in_range(cls, value: float | str | None) -> float | str | None:
-        if isinstance(value, float) and not 0.0 <= value <= 1.0:
-            raise ValueError(f"recompute_ratio must be within [0, 1] (or \"auto\"), got {value}")
+    def _registered(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown method {value!r}; use one of {', '.join(POLICIES)}")
         return value
 
     @model_validator(mode="after")
-    def _options_need_cacheblend(self) -> "CacheBlendOptions":
-        if self.method != "cacheblend" and self.policy_options():
-            raise ValueError(f"method {self.method!r} takes no options, got {sorted(self.policy_options())}")
-        if self.recompute_ratio == "auto" and self.method != "cacheblend":
-            raise ValueError('recompute_ratio "auto" needs method "cacheblend"')
+    def _the_policy_takes_them(self) -> "CacheBlendOptions":
+        if self.recompute_ratio == "auto" and not takes_ratio(POLICIES[self.method]):
+            raise ValueError(f'recompute_ratio "auto" needs a method with a recompute ratio, not {self.method!r}')
+        ratio = None if self.recompute_ratio == "auto" else self.recompute_ratio
+        try:
+            make_policy(self.method, ratio, **self.policy_options())
+        except (ConfigError, TypeError, ValueError) as e:
+            raise ValueError(str(e)) from None
         return self
 
     def policy_options(self) -> dict[str, Any]:
-        """The CacheBlend hyper-parameters that were set, as the engine takes them."""
-        names = ("check_layers", "candidate_factor", "filter_layer", "deviation", "selection", "chunk_head_tokens",
-                 "weight")
-        options = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-        if "check_layers" in options:
-            options["check_layers"] = tuple(options["check_layers"])
-        return options
+        """The method's options that were set, as the engine takes them (lists as tuples)."""
+        return {name: tuple(value) if isinstance(value, list) else value
+                for name, value in (self.model_extra or {}).items() if value is not None}
 
 
 class StreamOptions(_Body):

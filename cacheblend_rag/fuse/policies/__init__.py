@@ -23,10 +23,23 @@ POLICIES: dict[str, type] = {
     CacheBlend.name: CacheBlend,
     CacheCraft.name: CacheCraft,
 }
-METHODS: tuple[str, ...] = tuple(POLICIES)
+METHODS: tuple[str, ...] = tuple(POLICIES)  # the built-in methods; POLICIES also holds registered ones
 
 __all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
-           "PrefixCache", "make_policy", "option_names", "takes_ratio"]
+           "PrefixCache", "make_policy", "option_names", "register_policy", "takes_ratio"]
+
+
+def register_policy(policy_cls: type) -> type:
+    """Add a policy class (a frozen dataclass with `name`, `place`, `start`) to the registry: the engine, the CLI,
+    the server and both integrations then take its name as `method` and its fields as options. Usable as a
+    class decorator."""
+    name = vars(policy_cls).get("name")  # its own name, not one it inherits
+    if not isinstance(name, str) or not name or not dataclasses.is_dataclass(policy_cls):
+        raise ConfigError(f"a policy is a dataclass with a `name`, got {policy_cls!r}")
+    if name in POLICIES and POLICIES[name] is not policy_cls:
+        raise ConfigError(f"a policy named {name!r} is already registered ({POLICIES[name].__name__})")
+    POLICIES[name] = policy_cls
+    return policy_cls
 
 
 def option_names(policy_cls: type) -> tuple[str, ...]:
@@ -44,13 +57,13 @@ def make_policy(method: "str | Policy", recompute_ratio: float | None = None, **
     """The policy for a method name (or a policy object, returned as is), with its options checked by name."""
     if not isinstance(method, str):
         if not hasattr(method, "place") or not hasattr(method, "start"):
-            raise ConfigError(f"method must be one of {', '.join(METHODS)} or a policy object, got {method!r}")
+            raise ConfigError(f"method must be one of {', '.join(POLICIES)} or a policy object, got {method!r}")
         if recompute_ratio is not None or options:
             raise ConfigError("pass options to the policy object itself, not beside it")
         return method
     cls = POLICIES.get(method)
     if cls is None:
-        raise ConfigError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+        raise ConfigError(f"unknown method {method!r}; use one of {', '.join(POLICIES)}")
     if recompute_ratio is not None:
         check_ratio(recompute_ratio)  # checked even where the method has no use for it
         if takes_ratio(cls):

@@ -9,7 +9,7 @@ from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import METHODS
+from cacheblend_rag.fuse.policies import POLICIES, make_policy, option_names
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
@@ -22,9 +22,14 @@ CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "t
 """Keyword arguments every call accepts (besides `stop`)."""
 
 
+def policy_option_names() -> set[str]:
+    """Every option of every registered policy (the call's method checks which of them it takes)."""
+    return {name for cls in POLICIES.values() for name in option_names(cls)}
+
+
 def check_call_kwargs(owner: str, kwargs: dict[str, Any], extra: Iterable[str] = ()) -> None:
     """Reject keyword arguments the model would otherwise silently ignore."""
-    allowed = set(CALL_SETTINGS) | set(extra)
+    allowed = set(CALL_SETTINGS) | set(extra) | policy_option_names()
     unknown = sorted(k for k in kwargs if k not in allowed)
     if unknown:
         raise ConfigError(
@@ -38,8 +43,10 @@ def check_call_kwargs(owner: str, kwargs: dict[str, Any], extra: Iterable[str] =
 def call_settings(defaults: Any, max_tokens: int, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Engine keyword arguments for one call: the call's kwargs over the model's fields."""
     method = kwargs.get("method", defaults.method)
-    if method not in METHODS:
-        raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method not in POLICIES:
+        raise ConfigError(f"method must be one of {', '.join(POLICIES)}, got {method!r}")
+    options = dict(defaults.policy_options) if method == defaults.method else {}
+    options.update((k, v) for k, v in kwargs.items() if k in policy_option_names() and k != "recompute_ratio")
     ratio = kwargs.get("recompute_ratio", defaults.recompute_ratio)
     if ratio != "auto" and not 0.0 <= float(ratio) <= 1.0:
         raise ConfigError(f"recompute_ratio must be within [0, 1] or 'auto', got {ratio!r}")
@@ -54,6 +61,7 @@ def call_settings(defaults: Any, max_tokens: int, stop: list[str] | None, kwargs
         top_p=kwargs.get("top_p", defaults.top_p),
         seed=kwargs.get("seed", defaults.seed),
         stop=stop if stop is not None else defaults.stop,
+        **options,
     )
 
 
@@ -118,6 +126,9 @@ class EngineFields(BaseModel):
     """Prefill method: full_prefill, prefix_cache, full_reuse or cacheblend."""
     recompute_ratio: float = 0.15
     """Share of reused chunk tokens recomputed per layer (cacheblend only)."""
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    """The method's own options, for any policy of the registry (`cacheblend_rag.fuse.policies.POLICIES`): e.g.
+    {"check_layers": (1, 2), "guard": 0.1} for cacheblend, {"alpha": 0.5} for cachecraft; checked by the policy."""
     learn_retrieved: bool = True
     """Ingest, after the answer (on a background thread), the passages a retriever in the same chain returned
     that the prompt carries: the next run that retrieves them reuses their KV, with no warm step."""
@@ -143,9 +154,14 @@ class EngineFields(BaseModel):
     @field_validator("method")
     @classmethod
     def _check_method(cls, value: str) -> str:
-        if value not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {value!r}")
+        if value not in POLICIES:
+            raise ValueError(f"method must be one of {', '.join(POLICIES)}, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_policy_options(self) -> Self:
+        make_policy(self.method, None, **self.policy_options)  # a ConfigError names an option the method lacks
+        return self
 
     @field_validator("recompute_ratio")
     @classmethod

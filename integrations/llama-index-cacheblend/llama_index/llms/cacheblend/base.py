@@ -17,7 +17,7 @@ from typing import Any
 from cacheblend_rag import tools as generic_tools
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import METHODS
+from cacheblend_rag.fuse.policies import POLICIES, make_policy, option_names
 from cacheblend_rag.ingest.chunks import chunk_id, looks_like_chunk_id, normalize_text
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from llama_index.core.base.llms.types import (
@@ -50,6 +50,16 @@ STATS_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused"
               "recompute_ratio_effective", "ttft_s", "num_generated", "recompute_ratio")
 CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed",
                  "stop", "do_sample", "chunks", "question", "formatted", "grammar")
+
+
+def _policy_option_names() -> set[str]:
+    """Every option of every registered policy (the call's method checks which of them it takes)."""
+    return {name for cls in POLICIES.values() for name in option_names(cls)}
+
+
+def _call_settings() -> set[str]:
+    """Keyword arguments a call (or `generate_kwargs`) accepts: the settings and the policies' options."""
+    return set(CALL_SETTINGS) | _policy_option_names()
 
 # Stats of the LLM calls of each query in progress (innermost last); lists are shared with worker threads.
 _QUERY_CALLS: contextvars.ContextVar[tuple[list[dict], ...]] = contextvars.ContextVar("cacheblend_query_calls",
@@ -260,6 +270,9 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     home: str | None = Field(default=None, description="Package home of a lazily built engine.")
     method: str = Field(default="cacheblend", description="full_prefill, prefix_cache, full_reuse or cacheblend.")
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Recomputed share of reused tokens.")
+    policy_options: dict = Field(default_factory=dict, description="The method's own options, for any policy of "
+                                 "the registry (e.g. {'check_layers': (1, 2)} for cacheblend, {'alpha': 0.5} for "
+                                 "cachecraft); checked by the policy.")
     learn_retrieved: bool = Field(default=True, description="Ingest retrieved passages a prompt carried after "
                                   "the answer (background), so the next query that retrieves them is a hit.")
 
@@ -274,9 +287,10 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         if "max_tokens" in kwargs:
             kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
         super().__init__(**kwargs)
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        unknown = sorted(set(self.generate_kwargs) - set(CALL_SETTINGS))
+        if self.method not in POLICIES:
+            raise ValueError(f"method must be one of {', '.join(POLICIES)}, got {self.method!r}")
+        make_policy(self.method, None, **self.policy_options)  # a ConfigError names an option the method lacks
+        unknown = sorted(set(self.generate_kwargs) - _call_settings())
         if unknown:
             raise ConfigError(f"generate_kwargs has unknown key(s) {', '.join(unknown)}; accepted: "
                               f"{', '.join(CALL_SETTINGS)}")
@@ -320,16 +334,19 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         return self._last
 
     def _settings(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(kwargs) - set(CALL_SETTINGS))
+        unknown = sorted(set(kwargs) - _call_settings())
         if unknown:
             raise ConfigError(f"CacheBlendLLM got unknown keyword argument(s) {', '.join(unknown)}; accepted: "
-                              f"{', '.join(CALL_SETTINGS)}")
+                              f"{', '.join(sorted(_call_settings()))}")
         gen = {**self.generate_kwargs, **kwargs}
         sample = gen.get("do_sample", gen.get("temperature", 0.0) > 0)
         method = gen.get("method", self.method)
-        if method not in METHODS:
-            raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if method not in POLICIES:
+            raise ConfigError(f"method must be one of {', '.join(POLICIES)}, got {method!r}")
+        options = dict(self.policy_options) if method == self.method else {}
+        options.update((k, v) for k, v in gen.items() if k in _policy_option_names() and k != "recompute_ratio")
         return dict(
+            **options,
             method=method,
             recompute_ratio=gen.get("recompute_ratio", self.recompute_ratio),
             max_new_tokens=gen.get("max_new_tokens", gen.get("max_tokens", self.max_new_tokens)),
