@@ -41,7 +41,7 @@ from .loading.profile import load_or_measure
 from .models.adapter import get_adapter
 from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from .models.loader import DEFAULT_MODEL, load_model
-from .store import KVStore, open_store
+from .store import KVStore, MemoryStore, open_store
 from .store.codecs import CODECS
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ LEAD_INS = ("prefix", "bos", "none")
 # "hf": HF generate over a DynamicCache built from it (decode.generate), the reference: same greedy tokens, slower
 DECODERS = ("kv", "hf")
 CHUNK_INDEX_FILE = "chunk-index.sqlite"  # beside the disk tier's entries: chunk texts by id, for prompt matching
+DEFAULT_PREFIX_BYTES = 1024**3  # the stored prefixes' own memory tier (a 3.7k-token SmolLM2 turn: ≈ 85 MB bf16)
 _CONTEXT_CHARS = 1500  # a prompt this long with no stored chunk in it probably carries context we missed
 _warned_no_match = False
 
@@ -107,6 +108,7 @@ class CacheBlendEngine:
         kv_codec: str = "fp16",
         decoder: str = "kv",
         prefix_reuse: bool = True,
+        prefix_store: KVStore | str | os.PathLike[str] | Sequence | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -132,8 +134,12 @@ class CacheBlendEngine:
             raise ConfigError(f"prefix_reuse must be True or False, got {prefix_reuse!r}")
         # prefix_reuse: a finished request's KV (prompt and answer) is kept as a stored prefix, and a request that
         # starts with one loads it exactly and computes only the rest (fuse.chunk_cache, fuse.placement)
+        # prefix_store: where they live, any store spec (a shared disk folder or Redis lets a conversation move
+        # between replicas); by default a memory tier of its own, LRU-bounded by DEFAULT_PREFIX_BYTES
+        prefixes = MemoryStore(DEFAULT_PREFIX_BYTES) if prefix_store is None else open_store(prefix_store)
         self.cache = ChunkCache(self.adapter, self.kv_store, self.fingerprint, self._lead_in_ids(lead_in),
-                                prefetch_depth, prefix_block=PREFIX_BLOCK if prefix_reuse else 0)
+                                prefetch_depth, prefix_block=PREFIX_BLOCK if prefix_reuse else 0,
+                                prefix_store=prefixes)
         self._warned_keep = False
         self.quality_floor = quality_floor  # r*: recompute_ratio="auto" never goes below it
         self.home = home

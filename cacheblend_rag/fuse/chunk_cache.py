@@ -73,7 +73,8 @@ class ChunkCache:
     """The KV of chunks and exact segments for one model, tokenizer and lead-in, kept in `store`."""
 
     def __init__(self, adapter: LlamaFamilyAdapter, store: KVStore, fingerprint: str, lead_in_ids: Sequence[int],
-                 prefetch_depth: int = 0, prefix_block: int = PREFIX_BLOCK) -> None:
+                 prefetch_depth: int = 0, prefix_block: int = PREFIX_BLOCK,
+                 prefix_store: KVStore | None = None) -> None:
         self.adapter = adapter
         self.store = store
         self.fingerprint = fingerprint
@@ -82,6 +83,7 @@ class ChunkCache:
         self.prefetch_depth = prefetch_depth
         self._write_failed = False  # a failing store is reported once, then serving goes on without it
         self.prefix_block = prefix_block  # tokens per block of stored prefixes; 0: no prefix is stored or looked up
+        self.prefix_store = store if prefix_store is None else prefix_store  # where stored prefixes live
         self._prefix_index: OrderedDict[str, str] = OrderedDict()  # block hash → name of an entry holding it
         self._prefix_entries: dict[str, int] = {}  # entries this process stored → their number of blocks
 
@@ -190,7 +192,7 @@ class ChunkCache:
 
     def _prefix_reader(self, name: str, hashes: Sequence[str], token_ids: torch.Tensor) -> LayerReader | None:
         """The first len(hashes) blocks of entry `name` if it holds exactly those tokens, else None."""
-        reader = self.store.reader(KVKey(self.namespace_for([]), name))
+        reader = self.prefix_store.reader(KVKey(self.namespace_for([]), name))
         rows = len(hashes) * self.prefix_block
         if reader is None or reader.num_tokens < rows or not torch.equal(
                 reader.token_ids[:rows].cpu(), token_ids[:rows].cpu()):
@@ -220,7 +222,7 @@ class ChunkCache:
         if not hashes:
             return 0
         name = "pfx-" + hashes[-1]
-        if name in self._prefix_entries and self.store.contains(self._prefix_key(hashes[-1])):
+        if name in self._prefix_entries and self.prefix_store.contains(self._prefix_key(hashes[-1])):
             return 0  # the same tokens again (a repeated request): already kept
         rows = len(hashes) * self.prefix_block
         a = self.adapter
@@ -230,12 +232,12 @@ class ChunkCache:
             values=tuple(v[:rows].clone(memory_format=torch.contiguous_format) for v in values),
             token_ids=token_ids[:rows].cpu().clone(),
         )
-        self._put(self._prefix_key(hashes[-1]), kv, best_effort=True)
+        self._put(self._prefix_key(hashes[-1]), kv, best_effort=True, store=self.prefix_store)
         if self._write_failed:
             return 0
         for h in hashes[:-1]:  # a shorter entry of the same chain: the new one holds it (the index moves below)
             if self._prefix_entries.pop("pfx-" + h, None) is not None:
-                self.store.delete(self._prefix_key(h))
+                self.prefix_store.delete(self._prefix_key(h))
         self._prefix_entries[name] = len(hashes)
         for h in hashes:
             self._prefix_index[h] = name
@@ -262,9 +264,15 @@ class ChunkCache:
         self._put(key, kv, best_effort=best_effort)
         return part_of(ResidentReader(kv, key, "computed"), chunk)
 
-    def _put(self, key: KVKey, kv: ChunkKV, *, best_effort: bool) -> None:
+    def delete(self, key: KVKey) -> None:
+        """Drop an entry (a chunk's, a segment's or a stored prefix's) that failed to read."""
+        self.store.delete(key)
+        if self.prefix_store is not self.store:
+            self.prefix_store.delete(key)
+
+    def _put(self, key: KVKey, kv: ChunkKV, *, best_effort: bool, store: KVStore | None = None) -> None:
         try:
-            self.store.put(key, kv)
+            (self.store if store is None else store).put(key, kv)
         except (KVWriteError, OSError) as e:
             if not best_effort:
                 raise

@@ -141,7 +141,7 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
         except LayerReadError as e:
             logger.warning("%s; retrying with it as a hole", e)
             if e.key is not None:
-                cache.store.delete(e.key)
+                cache.delete(e.key)
     else:
         raise CacheFormatError("stored KV kept failing to read; giving up on this request")
     ttft = time.perf_counter() - started
