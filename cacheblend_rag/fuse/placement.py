@@ -49,8 +49,8 @@ def nothing(cache: ChunkCache, request: FusionRequest) -> Placements:
 def _prefix(cache: ChunkCache, request: FusionRequest) -> tuple[Placements, list[tuple[int, Chunk]]]:
     """The exact KV the request starts with, and (row, chunk) of the chunks after it.
 
-    The longest stored prefix of the request's tokens if there is one (chunks it covers are not placed again; one
-    it cuts keeps its rows after it), else the exact KV of the text before the first chunk (none for an empty one):
+    The longest stored prefix of the request's tokens if there is one (chunks it covers are hits, not placed again;
+    one it cuts keeps its rows after it), else the exact KV of the text before the first chunk (none for an empty one):
     cached by its token ids, so a repeated system prompt or template head is reused exactly.
     """
     rest = list(zip(request.layout.chunk_starts, request.chunks))
@@ -59,15 +59,16 @@ def _prefix(cache: ChunkCache, request: FusionRequest) -> tuple[Placements, list
         prefix = request.prefix_ids
         return Placements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else []), rest
     end = stored.num_tokens
-    after = []
+    after, covered = [], []
     for row, chunk in rest:
-        if row + chunk.num_tokens <= end:
+        if row + chunk.num_tokens <= end:  # found in the prompt and reused, inside the prefix's KV
+            covered.append(chunk.chunk_id)
             continue
         if row < end:  # cut by the prefix: its rows from `end` on
             chunk = chunk.whole.part(chunk.kv_start + end - row, chunk.kv_start + chunk.num_tokens)
             row = end
         after.append((row, chunk))
-    return Placements([Placement(0, stored, exact=True)], prefix_rows=end), after
+    return Placements([Placement(0, stored, exact=True)], hits=covered, prefix_rows=end), after
 
 
 def exact_prefix(cache: ChunkCache, request: FusionRequest) -> Placements:

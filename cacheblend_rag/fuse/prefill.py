@@ -51,7 +51,7 @@ class RequestStats(Mapping):
     num_hole_tokens: int  # rows of chunks that were not stored (computed in place)
     num_computed: int  # other uncached rows (template, question)
     recompute_ratio_effective: float  # share of reused rows computed, averaged over layers
-    chunk_hits: list[str]
+    chunk_hits: list[str]  # chunks found and reused: from their own stored KV, or inside a stored prefix
     chunk_misses: list[str]
     rows_per_layer: list[int]
     attention_pairs_per_layer: list[int]  # query-key pairs each layer attended
