@@ -233,8 +233,8 @@ class ChunkCache:
             token_ids=token_ids[:rows].cpu().clone(),
         )
         self._put(self._prefix_key(hashes[-1]), kv, best_effort=True, store=self.prefix_store)
-        if self._write_failed:
-            return 0
+        if self._write_failed or not self.prefix_store.contains(self._prefix_key(hashes[-1])):
+            return 0  # not kept (a failing store; an entry larger than the budget): the older entries stay
         for h in hashes[:-1]:  # a shorter entry of the same chain: the new one holds it (the index moves below)
             if self._prefix_entries.pop("pfx-" + h, None) is not None:
                 self.prefix_store.delete(self._prefix_key(h))
