@@ -25,7 +25,7 @@ from .decode.generate import SamplingOptions, cut_at_stop, decode
 from .decode.kv_decode import KVDecoder, KVSequence, kv_decode
 from .decode.stream import stream_decode
 from .errors import ChunkError, ConfigError, PromptTooLongError
-from .fuse.chunk_cache import ChunkCache
+from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
 from .fuse.placement import Placements
 from .fuse.policies import make_policy
@@ -42,7 +42,7 @@ from .loading.profile import load_or_measure
 from .models.adapter import get_adapter
 from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from .models.loader import DEFAULT_MODEL, load_model
-from .store import KVStore, open_store
+from .store import KVStore, MemoryStore, open_store
 from .store.codecs import CODECS
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ LEAD_INS = ("prefix", "bos", "none")
 # "hf": HF generate over a DynamicCache built from it (decode.generate), the reference: same greedy tokens, slower
 DECODERS = ("kv", "hf")
 CHUNK_INDEX_FILE = "chunk-index.sqlite"  # beside the disk tier's entries: chunk texts by id, for prompt matching
+DEFAULT_PREFIX_BYTES = 1024**3  # the stored prefixes' own memory tier (a 3.7k-token SmolLM2 turn: ≈ 85 MB bf16)
 _CONTEXT_CHARS = 1500  # a prompt this long with no stored chunk in it probably carries context we missed
 _warned_no_match = False
 
@@ -107,6 +108,8 @@ class CacheBlendEngine:
         chunk_index: ChunkIndex | str | os.PathLike[str] | None = None,
         kv_codec: str = "fp16",
         decoder: str = "kv",
+        prefix_reuse: bool = True,
+        prefix_store: KVStore | str | os.PathLike[str] | Sequence | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -128,8 +131,17 @@ class CacheBlendEngine:
         if prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be ≥ 0, got {prefetch_depth}")
         self.fingerprint = f"{model_fingerprint(model)}{tokenizer_fingerprint(tokenizer)}"
+        if not isinstance(prefix_reuse, bool):
+            raise ConfigError(f"prefix_reuse must be True or False, got {prefix_reuse!r}")
+        # prefix_reuse: a finished request's KV (prompt and answer) is kept as a stored prefix, and a request that
+        # starts with one loads it exactly and computes only the rest (fuse.chunk_cache, fuse.placement)
+        # prefix_store: where they live, any store spec (a shared disk folder or Redis lets a conversation move
+        # between replicas); by default a memory tier of its own, LRU-bounded by DEFAULT_PREFIX_BYTES
+        prefixes = MemoryStore(DEFAULT_PREFIX_BYTES) if prefix_store is None else open_store(prefix_store)
         self.cache = ChunkCache(self.adapter, self.kv_store, self.fingerprint, self._lead_in_ids(lead_in),
-                                prefetch_depth)
+                                prefetch_depth, prefix_block=PREFIX_BLOCK if prefix_reuse else 0,
+                                prefix_store=prefixes)
+        self._warned_keep = False
         self.quality_floor = quality_floor  # r*: recompute_ratio="auto" never goes below it
         self.home = home
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
@@ -177,6 +189,11 @@ class CacheBlendEngine:
     def lead_in_ids(self) -> list[int]:
         """The tokens every chunk's KV is precomputed behind."""
         return self.cache.lead_in_ids
+
+    @property
+    def prefix_reuse(self) -> bool:
+        """Whether finished requests are kept as stored prefixes and later requests start from them."""
+        return bool(self.cache.prefix_block)
 
     @property
     def prefetch_depth(self) -> int:
@@ -530,7 +547,11 @@ class CacheBlendEngine:
         """One decode step for every sequence at once (each must be unfinished): the text piece each hands out
         now (stop strings already cut); `seq.finished` / `seq.finish_reason` say which ended."""
         with self._lock:
-            return self._kv_decoder.advance(sequences)
+            pieces = self._kv_decoder.advance(sequences)
+            for seq in sequences:
+                if seq.finished:
+                    self._keep(seq)
+            return pieces
 
     def _start(self, run_prefill, sampling: SamplingOptions) -> tuple[KVSequence, RequestStats]:
         if self.decoder != "kv":
@@ -576,8 +597,27 @@ class CacheBlendEngine:
         logits (no step recomputes the last prompt token); "hf", the reference, recomputes it as generate does."""
         if self.decoder == "kv":
             return kv_decode(self.adapter, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer,
-                             cancel, first_logits=pre.logits, decoder=self._kv_decoder)
-        return decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
+                             cancel, first_logits=pre.logits, decoder=self._kv_decoder, on_done=self._keep)
+        new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
+        self._keep(pre)  # the reference decoder's cache is HF's: keep the prompt's rows only
+        return new_ids
+
+    def _keep(self, done: KVSequence | Prefill) -> None:
+        """Keep a finished request's KV (a decoded sequence's filled rows, or a prefill's) as a stored prefix, so
+        the next turn of a conversation starts from it. Best effort: a failure is logged once, never raised."""
+        if not self.prefix_reuse:
+            return
+        try:
+            with torch.inference_mode():
+                if isinstance(done, KVSequence):
+                    self.cache.store_prefix(*done.filled())
+                else:
+                    self.cache.store_prefix(done.token_ids, done.keys, done.values)
+        except Exception as e:  # noqa: BLE001 - the answer is out; keeping its KV is an optimisation
+            if not self._warned_keep:
+                logger.warning("could not keep the request's KV as a stored prefix (%s: %s); said once",
+                               type(e).__name__, e)
+            self._warned_keep = True
 
     @contextmanager
     def _decodable(self, run_prefill, sampling: SamplingOptions) -> Iterator[Prefill]:

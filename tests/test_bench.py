@@ -366,3 +366,21 @@ def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
     pairs = {(r["frame"], r["method"]) for r in faq["summary"]}
     assert pairs >= {("chat", "full_prefill"), ("string", "cacheblend@0.15")}
     assert len(faq["records"]) == 2 * 2 * 3 and "| string | cacheblend@0.15 |" in (out / "faq.md").read_text()
+
+
+@pytest.mark.model
+def test_bench_conversation_end_to_end(tmp_path, one_thread):
+    """`bench --conversation`: turns 2+ start from the previous turn's stored prefix; the arm without them does not."""
+    from conftest import musique_path
+
+    out = tmp_path / "out"
+    assert cli_main(["bench", str(musique_path()), "--conversation", "--limit", "1", "--chunks", "2", "--dtype",
+                     "float32", "--max-new-tokens", "4", "--out", str(out), "-q"]) == 0
+    result = json.loads((out / "conversation.json").read_text())
+    turns = result["summary"]["turns"]
+    assert sorted(turns, key=int) == ["1", "2", "3", "4"] and len(result["records"]) == 4
+    for t in ("2", "3", "4"):
+        assert turns[t]["rows"]["prefix_rows"] >= turns[str(int(t) - 1)]["tokens"] - 16
+        assert turns[t]["rows"]["chunk_rows"] == 0
+    assert turns["1"]["rows"]["prefix_rows"] < turns["1"]["rows"]["chunk_rows"]
+    assert "| 4 | 1 |" in (out / "conversation.md").read_text()

@@ -14,6 +14,7 @@
     cacheblend-rag bench --shared-tier --limit 9                             # Redis hit vs memory hit; codecs at 1 Gbit/s
     cacheblend-rag bench --frames --limit 20 --dtype bfloat16                # KL vs the model's own forward, per frame
     cacheblend-rag bench --faq --limit 40 --k 4 --max-new-tokens 16         # answer accuracy on made-up FAQ chunks
+    cacheblend-rag bench --conversation --limit 10 --dtype bfloat16          # 4-turn chats: stored prefixes vs not
 
 The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
 folder. Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under
@@ -96,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes.add_argument("--faq", action="store_true",
                        help="answer accuracy on a generated FAQ set (made-up products, one fact per question; "
                             "--limit questions, --k chunks each) in the chat and string frames")
+    modes.add_argument("--conversation", action="store_true",
+                       help="4-turn chats over each question's passages: per turn TTFT with stored prefixes, without "
+                            "them, and full prefill; first-token KL vs full prefill (writes conversation.md)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -196,6 +200,8 @@ def execute(args: argparse.Namespace) -> dict:
     dataset = _dataset(args)
     if args.frames:
         return _frames(args, dataset)
+    if args.conversation:
+        return _conversation(args, dataset)
     if args.breakdown:
         return _breakdown(args, dataset)
     if args.decode:
@@ -284,6 +290,22 @@ def _frames(args: argparse.Namespace, dataset: Path) -> dict:
                       "machine": machine()}
     header = f"{len(items)} questions × {args.chunks} passages, {_dtype(engine)}; {machine()}"
     _print_and_write(args, "frames", header, format_frames(result["summary"]), result)
+    return result
+
+
+def _conversation(args: argparse.Namespace, dataset: Path) -> dict:
+    """`--conversation`: 4-turn chats, stored prefixes vs none vs full prefill; prints and writes conversation.md."""
+    from .conversation import format_conversation, run_conversation
+    from .report import machine
+
+    items, engine = _questions_and_engine(args, dataset)
+    result = run_conversation(engine, items, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
+                              show_progress=not args.quiet)
+    result["meta"] = {"conversations": len(items), "chunks": args.chunks, "model": args.model,
+                      "dtype": _dtype(engine), "max_new_tokens": args.max_new_tokens, "machine": machine()}
+    header = (f"{len(items)} conversations × 4 turns × {args.chunks} passages, {_dtype(engine)}, "
+              f"max_new_tokens {args.max_new_tokens}; {machine()}")
+    _print_and_write(args, "conversation", header, format_conversation(result["summary"]), result)
     return result
 
 

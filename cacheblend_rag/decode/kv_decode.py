@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +103,7 @@ class KVSequence:
             self.k[layer, :, :rows].copy_(k[:rows].transpose(0, 1))
             self.v[layer, :, :rows].copy_(v[:rows].transpose(0, 1))
         self.length = rows  # filled rows; the next token is written at this row (its position)
+        self.prompt_ids = token_ids
         self.next_token = int(token_ids[-1])
         self.settings = settings
         self.eos = decoder.eos_token_id
@@ -118,6 +119,13 @@ class KVSequence:
         self._raw = ""  # all text so far, for stop strings when no one reads the pieces
         # the text of the token chosen from the prefill's logits, for the caller to hand out before any step
         self.first_piece = self.accept(self.choose(first_logits)) if first_logits is not None else ""
+
+    def filled(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Token ids of the filled rows (the prompt, then the answer's tokens run so far), and per layer their K
+        (after RoPE) and V, (rows, kv_heads, d) views of the buffers: what a stored prefix keeps."""
+        ids = torch.cat([self.prompt_ids.cpu(), torch.tensor(self.generated, dtype=torch.long)])[: self.length]
+        return ids, [k.transpose(0, 1) for k in self.k[:, :, : self.length]], \
+            [v.transpose(0, 1) for v in self.v[:, :, : self.length]]
 
     @property
     def finished(self) -> bool:
@@ -235,11 +243,13 @@ class KVDecoder:
 @torch.inference_mode()
 def kv_decode(adapter, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
               settings: SamplingOptions, streamer=None, cancel: threading.Event | None = None,
-              first_logits: torch.Tensor | None = None, decoder: KVDecoder | None = None) -> torch.Tensor:
+              first_logits: torch.Tensor | None = None, decoder: KVDecoder | None = None,
+              on_done: Callable[[KVSequence], None] | None = None) -> torch.Tensor:
     """New token ids after the prompt `token_ids` (N,), whose fused KV is given: `decode.generate.decode`'s
     contract (EOS, stop strings, `streamer.put`/`end`, stops early once `cancel` is set) on the adapter path;
     `first_logits`, the prefill's next-token logits, give the first token without a step. Pass the engine's
-    `decoder` to reuse its state (the grammar compiler's converted tokenizer)."""
+    `decoder` to reuse its state (the grammar compiler's converted tokenizer); `on_done(seq)` runs once decoding
+    ended (finished or cancelled), after `streamer.end()`, e.g. to keep the sequence's KV."""
     decoder = decoder or KVDecoder(adapter, tokenizer)
     seq = decoder.sequence(token_ids, keys, values, settings, text=bool(settings.stop), first_logits=first_logits)
     if streamer is not None:
@@ -254,4 +264,6 @@ def kv_decode(adapter, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tens
     finally:
         if streamer is not None:
             streamer.end()
+    if on_done is not None:
+        on_done(seq)
     return torch.tensor(seq.generated, dtype=torch.long)

@@ -3,19 +3,33 @@
 A chunk's KV is computed once behind a lead-in (by default the template's system prefix) and stored under a
 namespace that fingerprints the model, the tokenizer and that lead-in. Exact segments (prefixes that start at
 position 0) are cached by their token ids. Stored KV is handed out as per-layer readers.
+
+Stored prefixes (a finished request's KV, prompt and answer, kept for the next turn of a conversation or the next
+step of an agent) are named by a hash chain over fixed-size token blocks from position 0, as vLLM's automatic
+prefix caching and SGLang's radix cache name theirs:
+
+    tokens   [ block 1 ][ block 2 ][ block 3 ] ...      (prefix_block tokens each; a partial last block is dropped)
+    hash     h1 = H(0, b1)   h2 = H(h1, b2)   h3 = H(h2, b3)
+    entry    "pfx-<h_k>": the KV of blocks 1..k, keys before RoPE, like chunk KV
+
+A request's block hashes find the longest stored prefix in O(blocks): first through this process's index (every
+h_i of an entry it stored → that entry), else by probing the store for "pfx-<h_i>" from the longest down (entries
+another process put in a shared tier). The stored token ids are compared before the KV is used, so a hash
+collision or a stale index entry is a miss; so is an evicted or corrupt entry.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from ..errors import KVWriteError
 from ..ingest.chunks import Chunk
-from ..models.adapter import LlamaFamilyAdapter
+from ..models.adapter import LlamaFamilyAdapter, RopeTables
 from ..store import ChunkKV, KVKey, KVStore, LayerReader, ResidentReader, SlicedReader
 from .loop import run_layers
 from .policy import RowSelection
@@ -23,9 +37,23 @@ from .sequence import FusedSequence, Placement
 
 logger = logging.getLogger(__name__)
 
+PREFIX_BLOCK = 16  # tokens per block of a stored prefix (vLLM's default block size)
+_MAX_INDEXED_BLOCKS = 1 << 18  # block hashes this process remembers (≈ 40 MB); older ones are found by probing
+
 
 def _ids_bytes(token_ids: Sequence[int]) -> bytes:
     return torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()
+
+
+def _inverse_rope(tables: RopeTables) -> RopeTables:
+    """fp32 tables that undo a rotation by `tables` exactly as rounded: R⁻¹ = Rᵀ / (cos² + sin²), since bf16's
+    cos and sin are not on the unit circle (plain Rᵀ would scale keys by up to ~0.8 %)."""
+    out = {}
+    for kind, (cos, sin) in tables.tables.items():
+        c, s = cos.float(), sin.float()
+        norm = c * c + s * s
+        out[kind] = (c / norm, -s / norm)
+    return RopeTables(out, tables.kinds)
 
 
 def part_of(reader: LayerReader | None, chunk: Chunk) -> LayerReader | None:
@@ -45,7 +73,8 @@ class ChunkCache:
     """The KV of chunks and exact segments for one model, tokenizer and lead-in, kept in `store`."""
 
     def __init__(self, adapter: LlamaFamilyAdapter, store: KVStore, fingerprint: str, lead_in_ids: Sequence[int],
-                 prefetch_depth: int = 0) -> None:
+                 prefetch_depth: int = 0, prefix_block: int = PREFIX_BLOCK,
+                 prefix_store: KVStore | None = None) -> None:
         self.adapter = adapter
         self.store = store
         self.fingerprint = fingerprint
@@ -53,6 +82,10 @@ class ChunkCache:
         self.namespace = self.namespace_for(self.lead_in_ids)
         self.prefetch_depth = prefetch_depth
         self._write_failed = False  # a failing store is reported once, then serving goes on without it
+        self.prefix_block = prefix_block  # tokens per block of stored prefixes; 0: no prefix is stored or looked up
+        self.prefix_store = store if prefix_store is None else prefix_store  # where stored prefixes live
+        self._prefix_index: OrderedDict[str, str] = OrderedDict()  # block hash → name of an entry holding it
+        self._prefix_entries: dict[str, int] = {}  # entries this process stored → their number of blocks
 
     def namespace_for(self, lead_in_ids: Sequence[int]) -> str:
         """Fingerprint of model, tokenizer and lead-in: every KV it names was computed under all three."""
@@ -122,6 +155,97 @@ class ChunkCache:
         self._put(key, kv, best_effort=True)
         return ResidentReader(kv, key, "computed")
 
+    # ---- stored prefixes ----------------------------------------------------------------
+
+    def block_hashes(self, token_ids: Sequence[int] | torch.Tensor) -> list[str]:
+        """The hash chain of the whole blocks of `token_ids` from position 0: h_i = H(h_{i-1}, block i)."""
+        b = self.prefix_block
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().numpy()
+        out, h = [], b""
+        for i in range(len(ids) // b if b else 0):
+            h = hashlib.sha256(h + ids[i * b:(i + 1) * b].tobytes()).digest()
+            out.append(h.hex()[:32])
+        return out
+
+    def _prefix_key(self, block_hash: str) -> KVKey:
+        return KVKey(self.namespace_for([]), "pfx-" + block_hash)
+
+    def stored_prefix(self, token_ids: torch.Tensor) -> LayerReader | None:
+        """A reader of the longest stored prefix of `token_ids` (whole blocks, leaving at least the last row to
+        compute), or None. Its rows are exact: the KV of those very tokens from position 0."""
+        if not self.prefix_block:
+            return None
+        n = int(token_ids.numel())
+        hashes = self.block_hashes(token_ids[: (n - 1) // self.prefix_block * self.prefix_block])
+        known = 0
+        while known < len(hashes) and hashes[known] in self._prefix_index:
+            known += 1
+        if known:
+            reader = self._prefix_reader(self._prefix_index[hashes[known - 1]], hashes[:known], token_ids)
+            if reader is not None:
+                return reader
+        for k in range(len(hashes), 0, -1):  # not seen here (or gone): entries another process stored
+            reader = self._prefix_reader("pfx-" + hashes[k - 1], hashes[:k], token_ids)
+            if reader is not None:
+                return reader
+        return None
+
+    def _prefix_reader(self, name: str, hashes: Sequence[str], token_ids: torch.Tensor) -> LayerReader | None:
+        """The first len(hashes) blocks of entry `name` if it holds exactly those tokens, else None."""
+        reader = self.prefix_store.reader(KVKey(self.namespace_for([]), name))
+        rows = len(hashes) * self.prefix_block
+        if reader is None or reader.num_tokens < rows or not torch.equal(
+                reader.token_ids[:rows].cpu(), token_ids[:rows].cpu()):
+            if reader is not None:
+                reader.close()
+            self._forget_prefix(name, hashes)
+            return None
+        return reader if reader.num_tokens == rows else SlicedReader(reader, 0, rows)
+
+    def _forget_prefix(self, name: str, hashes: Sequence[str]) -> None:
+        """Drop an entry that is gone (evicted, corrupt, replaced) from the index, at the hashes given."""
+        self._prefix_entries.pop(name, None)
+        for h in hashes:
+            if self._prefix_index.get(h) == name:
+                del self._prefix_index[h]
+
+    def store_prefix(self, token_ids: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                     ) -> int:
+        """Keep the KV of a finished request (prompt and answer) as a stored prefix; the rows kept (whole blocks).
+
+        keys[layer], values[layer]: (N, num_kv_heads, head_dim) for the rows of `token_ids`, keys *after* RoPE at
+        positions 0..N-1 (as the loop and the decoder hold them); RoPE is undone here, so the entry is stored like
+        chunk KV. Entries this process stored that the new one extends are deleted (it holds them). Best effort: a
+        store that cannot keep it is logged once.
+        """
+        hashes = self.block_hashes(token_ids)
+        if not hashes:
+            return 0
+        name = "pfx-" + hashes[-1]
+        if name in self._prefix_entries and self.prefix_store.contains(self._prefix_key(hashes[-1])):
+            return 0  # the same tokens again (a repeated request): already kept
+        rows = len(hashes) * self.prefix_block
+        a = self.adapter
+        unrotate = _inverse_rope(a.rotary(torch.arange(rows, device=keys[0].device)))
+        kv = ChunkKV(
+            keys=tuple(a.rope(layer, k[:rows].float(), unrotate).to(a.dtype) for layer, k in enumerate(keys)),
+            values=tuple(v[:rows].clone(memory_format=torch.contiguous_format) for v in values),
+            token_ids=token_ids[:rows].cpu().clone(),
+        )
+        self._put(self._prefix_key(hashes[-1]), kv, best_effort=True, store=self.prefix_store)
+        if self._write_failed or not self.prefix_store.contains(self._prefix_key(hashes[-1])):
+            return 0  # not kept (a failing store; an entry larger than the budget): the older entries stay
+        for h in hashes[:-1]:  # a shorter entry of the same chain: the new one holds it (the index moves below)
+            if self._prefix_entries.pop("pfx-" + h, None) is not None:
+                self.prefix_store.delete(self._prefix_key(h))
+        self._prefix_entries[name] = len(hashes)
+        for h in hashes:
+            self._prefix_index[h] = name
+            self._prefix_index.move_to_end(h)
+        while len(self._prefix_index) > _MAX_INDEXED_BLOCKS:
+            self._prefix_index.popitem(last=False)
+        return rows
+
     def compute_and_store(self, chunk: Chunk, lead_in_ids: Sequence[int] | None = None, *,
                           best_effort: bool = False) -> LayerReader:
         """Compute the chunk's KV behind a lead-in (default: this cache's) and store it.
@@ -140,9 +264,15 @@ class ChunkCache:
         self._put(key, kv, best_effort=best_effort)
         return part_of(ResidentReader(kv, key, "computed"), chunk)
 
-    def _put(self, key: KVKey, kv: ChunkKV, *, best_effort: bool) -> None:
+    def delete(self, key: KVKey) -> None:
+        """Drop an entry (a chunk's, a segment's or a stored prefix's) that failed to read."""
+        self.store.delete(key)
+        if self.prefix_store is not self.store:
+            self.prefix_store.delete(key)
+
+    def _put(self, key: KVKey, kv: ChunkKV, *, best_effort: bool, store: KVStore | None = None) -> None:
         try:
-            self.store.put(key, kv)
+            (self.store if store is None else store).put(key, kv)
         except (KVWriteError, OSError) as e:
             if not best_effort:
                 raise

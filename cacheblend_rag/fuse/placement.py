@@ -3,6 +3,15 @@
     nothing        compute every row
     exact_prefix   the prefix's exact KV, and the first chunk exactly as it follows that prefix (computed once)
     every_chunk    the prefix's exact KV, and every stored chunk's own KV re-positioned; missing chunks are holes
+
+"The prefix's exact KV" is, when one is stored, the longest stored prefix of the request's tokens (an earlier
+request's KV, prompt and answer: `ChunkCache.stored_prefix`), placed at row 0 as is; the chunks after it are
+placed as the policy places chunks, and a chunk it cuts keeps its rows after it. Else it is the text before the
+first chunk, cached as an exact segment.
+
+    rows     0 .............. P ........................................ N-1
+             [ stored prefix ][ chunk j (part) ][ text ][ chunk k ][ question ]
+             exact, as stored  placed by the policy, or computed
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ class Placements:
     misses: list[str] = field(default_factory=list)
     holes: list[Chunk] = field(default_factory=list)  # misses to compute in isolation and store after the request
     report: dict = field(default_factory=dict)  # the policy's own facts for the request's stats (e.g. variants used)
+    prefix_rows: int = 0  # leading rows placed from a stored prefix (an earlier request's KV)
 
     def close(self) -> None:
         """End of the request: every reader releases its handle (tiers may promote what was read)."""
@@ -36,34 +46,56 @@ def nothing(cache: ChunkCache, request: FusionRequest) -> Placements:
     return Placements(misses=[c.chunk_id for c in request.chunks])
 
 
-def _prefix(cache: ChunkCache, prefix: list[int]) -> Placements:
-    """The exact KV of the prefix (none for an empty one): cached by its token ids, so a repeated system
-    prompt or template head is reused exactly."""
-    return Placements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else [])
+def _prefix(cache: ChunkCache, request: FusionRequest) -> tuple[Placements, list[tuple[int, Chunk]]]:
+    """The exact KV the request starts with, and (row, chunk) of the chunks after it.
+
+    The longest stored prefix of the request's tokens if it reaches past the first chunk's start (chunks it covers
+    are hits, not placed again; one it cuts keeps its rows after it), else the exact KV of the text before the first chunk (none for an empty one):
+    cached by its token ids, so a repeated system prompt or template head is reused exactly.
+    """
+    rest = list(zip(request.layout.chunk_starts, request.chunks))
+    stored = cache.stored_prefix(request.layout.token_ids)
+    if stored is not None and stored.num_tokens <= request.layout.prefix_len:
+        stored.close()  # no further than the text before the first chunk: its exact segment places as much, and
+        stored = None   # the first chunk stays exact behind the lead-in it was computed after
+    if stored is None:
+        prefix = request.prefix_ids
+        return Placements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else []), rest
+    end = stored.num_tokens
+    after, covered = [], []
+    for row, chunk in rest:
+        if row + chunk.num_tokens <= end:  # found in the prompt and reused, inside the prefix's KV
+            covered.append(chunk.chunk_id)
+            continue
+        if row < end:  # cut by the prefix: its rows from `end` on
+            chunk = chunk.whole.part(chunk.kv_start + end - row, chunk.kv_start + chunk.num_tokens)
+            row = end
+        after.append((row, chunk))
+    return Placements([Placement(0, stored, exact=True)], hits=covered, prefix_rows=end), after
 
 
 def exact_prefix(cache: ChunkCache, request: FusionRequest) -> Placements:
-    """The exact prefix and the first chunk as it follows it (computed and stored on a miss, then hit)."""
-    prefix, chunks = request.prefix_ids, request.chunks
-    out = _prefix(cache, prefix)
-    exact_first = bool(chunks) and chunks[0].kv_start == 0  # a first token merged into the prefix: not exact
+    """The exact prefix and the first chunk as it follows it (computed and stored on a miss, then hit); after a
+    stored prefix, the chunks are computed."""
+    out, chunks = _prefix(cache, request)
+    exact_first = bool(chunks) and not out.prefix_rows and chunks[0][1].kv_start == 0  # a merged first token: not
     if exact_first:
-        first = chunks[0]
+        start, first = chunks[0]
+        prefix = request.prefix_ids
         reader = cache.reader(first, lead_in_ids=prefix)
         (out.hits if reader is not None else out.misses).append(first.chunk_id)
         if reader is None:
             reader = cache.compute_and_store(first, lead_in_ids=prefix, best_effort=True)
-        out.placements.append(Placement(request.layout.chunk_starts[0], reader, exact=True))
-    out.misses += [c.chunk_id for c in chunks[int(exact_first):]]
+        out.placements.append(Placement(start, reader, exact=True))
+    out.misses += [c.chunk_id for _, c in chunks[int(exact_first):]]
     return out
 
 
 def every_chunk(cache: ChunkCache, request: FusionRequest) -> Placements:
     """The exact prefix and each stored chunk's KV (precomputed behind the lead-in); missing chunks are holes."""
-    prefix = request.prefix_ids
-    out = _prefix(cache, prefix)
-    follows_lead_in = prefix == list(cache.lead_in_ids)
-    for i, (chunk, start) in enumerate(zip(request.chunks, request.layout.chunk_starts)):
+    out, chunks = _prefix(cache, request)
+    follows_lead_in = not out.prefix_rows and request.prefix_ids == list(cache.lead_in_ids)
+    for i, (start, chunk) in enumerate(chunks):
         reader = cache.reader(chunk)
         if reader is None:
             out.misses.append(chunk.chunk_id)

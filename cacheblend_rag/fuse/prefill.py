@@ -46,12 +46,12 @@ class RequestStats(Mapping):
     method: str
     num_tokens: int
     num_reused: int  # rows whose cached KV was approximate (chunks reused out of context)
-    num_exact_cached: int  # rows whose cached KV was exact (a true prefix)
+    num_exact_cached: int  # rows whose cached KV was exact (a true prefix: stored prefix, segment, exact chunk)
     num_recomputed: int  # reused rows recomputed through the last layer
     num_hole_tokens: int  # rows of chunks that were not stored (computed in place)
     num_computed: int  # other uncached rows (template, question)
     recompute_ratio_effective: float  # share of reused rows computed, averaged over layers
-    chunk_hits: list[str]
+    chunk_hits: list[str]  # chunks found and reused: from their own stored KV, or inside a stored prefix
     chunk_misses: list[str]
     rows_per_layer: list[int]
     attention_pairs_per_layer: list[int]  # query-key pairs each layer attended
@@ -60,6 +60,8 @@ class RequestStats(Mapping):
     timing: dict[str, float]  # kv_load_s, kv_wait_s, check_s, layers_s (+ decode_s after decoding)
     kv_bytes_loaded: int  # stored bytes actually read
     kv_bytes_by_tier: dict[str, int]
+    num_prefix_rows: int = 0  # leading rows from a stored prefix (an earlier request's KV; within num_exact_cached)
+    num_chunk_rows: int = 0  # rows placed from stored chunk KV (after the stored prefix)
     recompute_ratio: float | None = None  # the ratio the policy ran at (the controller's with "auto")
     controller: dict | None = None  # the loading controller's decision, with recompute_ratio="auto"
     num_generated: int | None = None  # after decoding
@@ -139,7 +141,7 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
         except LayerReadError as e:
             logger.warning("%s; retrying with it as a hole", e)
             if e.key is not None:
-                cache.store.delete(e.key)
+                cache.delete(e.key)
     else:
         raise CacheFormatError("stored KV kept failing to read; giving up on this request")
     ttft = time.perf_counter() - started
@@ -205,6 +207,8 @@ def _stats(run: _Run, chunks: list[Chunk], ttft: float, by_tier: dict[str, int])
     hole_rows = sum(c.num_tokens for c in chunks if c.chunk_id in misses)
     recomputed = result.reused_rows_per_layer
     ratio = getattr(run.policy, "recompute_ratio", None)
+    after = placed.prefix_rows
+    chunk_rows = int((seq.cached[after:] & (seq.segment_of_row[after:] >= 0)).sum())
     return RequestStats(
         method=run.policy.name,
         num_tokens=seq.num_rows,
@@ -223,6 +227,8 @@ def _stats(run: _Run, chunks: list[Chunk], ttft: float, by_tier: dict[str, int])
         timing=run.timing,
         kv_bytes_loaded=sum(by_tier.values()),
         kv_bytes_by_tier=by_tier,
+        num_prefix_rows=after,
+        num_chunk_rows=chunk_rows,
         recompute_ratio=ratio,
         controller=run.decision.as_dict() if run.decision is not None else None,
         policy_report={**placed.report, **run.selection_report},

@@ -1,0 +1,118 @@
+"""`bench --conversation`: multi-turn chats over the same passages, where each turn re-sends the whole history.
+
+Per conversation: turn 1 asks the dataset's question over its passages (chat messages); turns 2–4 append the
+answer and a follow-up the bench writes from the passages ("Which passage says so?", "Answer in one word.", ...).
+The history is the prefix-reuse engine's own answers, so every arm sees the same prompt at every turn:
+
+    prefix      CacheBlend with stored prefixes (the default engine): a turn starts from the previous turn's KV
+    no_prefix   CacheBlend without them (prefix_reuse=False, the behaviour before): every turn fuses every chunk
+    full        full prefill of the same prompt: the reference for first-token KL
+
+Arms run interleaved per turn, so load on the machine falls on all of them alike; read the ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .datasets import passages_of
+from .frames import first_token_kl
+
+ARMS = ("prefix", "no_prefix", "full")
+RATIO = 0.15
+
+
+def follow_ups(item: dict, num_chunks: int) -> list[str]:
+    """Turns 2–4 of a conversation, written from its passages."""
+    titles = [c.get("title") or f"passage {i + 1}" for i, c in enumerate(item["ctxs"][:num_chunks])]
+    return ["Which passage says so?", "Answer in one word.", f"What does the passage about {titles[-1]} say?"]
+
+
+def _first_turn(passages: list[str], question: str) -> list[dict[str, str]]:
+    context = "\n\n".join(passages)
+    return [{"role": "system", "content": "Answer briefly, using the passages."},
+            {"role": "user", "content": f"Passages:\n{context}\n\nQuestion: {question}"}]
+
+
+def run_conversation(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens: int = 32,
+                     show_progress: bool = True) -> dict[str, Any]:
+    """Every conversation, turn by turn, in the three arms; records and a per-turn summary."""
+    from ..engine import CacheBlendEngine
+
+    if not engine.prefix_reuse:
+        raise ValueError("bench --conversation needs an engine with prefix_reuse=True for its prefix arm")
+    plain = CacheBlendEngine(engine.model, engine.tokenizer, kv_store=None, lead_in=engine.lead_in,
+                             prefix_reuse=False)
+    for item in items:  # untimed: chunk KV stored in both engines, as after ingestion
+        for e in (engine, plain):
+            e.ingest(passages_of(item, num_chunks), show_progress=False)
+    for e in (engine, plain):  # first-call costs (kernels, tables), on a prompt no conversation starts with
+        e.generate_prompt([{"role": "user", "content": "Say hello."}], max_new_tokens=2)
+    records = []
+    for n, item in enumerate(tqdm(items, desc="conversations", unit="chat", disable=not show_progress)):
+        messages = _first_turn(passages_of(item, num_chunks), item["question"])
+        for turn, follow in enumerate([None, *follow_ups(item, num_chunks)], start=1):
+            if follow is not None:
+                messages = messages + [{"role": "user", "content": follow}]
+            out = engine.generate_prompt(messages, "cacheblend", RATIO, max_new_tokens=max_new_tokens)
+            without = plain.prefill_prompt(messages, "cacheblend", RATIO)
+            full = plain.prefill_prompt(messages, "full_prefill")
+            s = out.stats
+            records.append({
+                "conversation": n, "turn": turn, "num_tokens": s["num_tokens"],
+                "prefix_rows": s["num_prefix_rows"], "chunk_rows": s["num_chunk_rows"],
+                "computed_rows": s["num_tokens"] - s["num_prefix_rows"] - s["num_chunk_rows"],
+                "ttft_s": {"prefix": out.ttft_s, "no_prefix": without.stats.ttft_s, "full": full.stats.ttft_s},
+                "kl": {"prefix": first_token_kl(full.logits, out.logits),
+                       "no_prefix": first_token_kl(full.logits, without.logits)},
+            })
+            messages = messages + [{"role": "assistant", "content": out.text}]
+    return {"records": records, "summary": summarize(records)}
+
+
+def summarize(records: list[dict]) -> dict[str, Any]:
+    """Per turn: median TTFT of each arm, median KL vs full prefill, median rows by source; and the targets."""
+    med = statistics.median
+    turns: dict[int, dict] = {}
+    for t in sorted({r["turn"] for r in records}):
+        rs = [r for r in records if r["turn"] == t]
+        turns[t] = {
+            "n": len(rs), "tokens": med(r["num_tokens"] for r in rs),
+            "ttft_s": {a: med(r["ttft_s"][a] for r in rs) for a in ARMS},
+            "kl": {a: med(r["kl"][a] for r in rs) for a in ("prefix", "no_prefix")},
+            "rows": {k: med(r[k] for r in rs) for k in ("prefix_rows", "chunk_rows", "computed_rows")},
+        }
+    later = [r for r in records if r["turn"] > 1]
+    first = [r for r in records if r["turn"] == 1]
+    summary: dict[str, Any] = {"turns": turns}
+    if later and first:
+        summary["turn1_cacheblend_ttft_s"] = med(r["ttft_s"]["prefix"] for r in first)
+        summary["later_prefix_ttft_s"] = med(r["ttft_s"]["prefix"] for r in later)
+        summary["later_speedup_vs_turn1"] = summary["turn1_cacheblend_ttft_s"] / summary["later_prefix_ttft_s"]
+        summary["later_speedup_vs_no_prefix"] = (med(r["ttft_s"]["no_prefix"] for r in later)
+                                                 / summary["later_prefix_ttft_s"])
+        summary["later_kl_prefix"] = med(r["kl"]["prefix"] for r in later)
+        summary["turn1_kl"] = med(r["kl"]["prefix"] for r in first)
+    return summary
+
+
+def format_conversation(summary: dict[str, Any]) -> str:
+    """The per-turn table and the two targets' figures."""
+    lines = ["| turn | n | tokens | prefix / chunk / computed rows | TTFT prefix | TTFT no prefix | TTFT full "
+             "| KL prefix | KL no prefix |", "|---|---|---|---|---|---|---|---|---|"]
+    for t, s in summary["turns"].items():
+        rows, ttft, kl = s["rows"], s["ttft_s"], s["kl"]
+        lines.append(f"| {t} | {s['n']} | {s['tokens']:.0f} | {rows['prefix_rows']:.0f} / {rows['chunk_rows']:.0f} / "
+                     f"{rows['computed_rows']:.0f} | {ttft['prefix']:.3f} s | {ttft['no_prefix']:.3f} s | "
+                     f"{ttft['full']:.3f} s | {kl['prefix']:.4f} | {kl['no_prefix']:.4f} |")
+    if "later_speedup_vs_turn1" in summary:
+        lines.append("")
+        lines.append(f"turns 2+: median TTFT {summary['later_prefix_ttft_s']:.3f} s with stored prefixes, "
+                     f"{summary['later_speedup_vs_turn1']:.1f}x below turn 1's CacheBlend "
+                     f"({summary['turn1_cacheblend_ttft_s']:.3f} s), {summary['later_speedup_vs_no_prefix']:.1f}x "
+                     f"below CacheBlend without them; KL vs full prefill {summary['later_kl_prefix']:.4f} "
+                     f"(turn 1: {summary['turn1_kl']:.4f})")
+    return "\n".join(lines)
