@@ -24,7 +24,7 @@ from ..store import KVKey
 from ..store.base import ChunkKV
 from ..store.codecs import GROUP_SPEED_HEADER, MEASUREMENT_HEADER, decode_chunk, encode_chunk, get_codec, layer_nbytes, measure_codec
 from .datasets import load_dataset, passages_of, resolve_dataset
-from .metrics import first_token_kl, token_f1
+from .metrics import first_token_kl, percentile, token_f1
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +139,15 @@ def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str,
             gen = engine.generate(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio,
                                   max_new_tokens=max_new_tokens)
             uncoded = gen if uncoded is None else uncoded  # "none" runs first
-            rec = out.setdefault(setting_label(name, params),
-                                 {"kl": [], "agreement": [], "match": [], "bpt": [], "kl_none": []})
+            rec = out.setdefault(setting_label(name, params), {"kl": [], "agreement": [], "match": [], "bpt": [],
+                                                               "kl_none": [], "question": [], "text": []})
             rec["kl"].append(max(0.0, first_token_kl(full.logits, gen.logits)))
             rec["kl_none"].append(max(0.0, first_token_kl(uncoded.logits, gen.logits)))
             rec["agreement"].append(token_f1(gen.text, full.text))
             rec["match"].append(float(int(gen.logits.argmax()) == int(full.logits.argmax())))
             rec["bpt"].append(nbytes / tokens if tokens and nbytes else float("nan"))
+            rec["question"].append(float(item.get("_index", -1)))
+            rec["text"].append(gen.text)
         for key, kv in zip(keys, originals):
             engine.kv_store.put(key, kv)
         if on_question is not None:  # e.g. print the table so far: a long run still leaves figures if stopped
@@ -283,6 +285,114 @@ def quality_rows(results: dict[str, dict[str, list[float]]], baseline: str = "fp
     return rows
 
 
+# The dev set split in two (issue 30): a default is chosen on one half and confirmed on the other.
+HALVES = {"choose": (0, 25), "report": (25, 50)}
+
+TAIL_HEADER = ("| KV passed through | vs fp16 | Δ KL mean | median | p90 | max (question) | agreement F1 | "
+               "Δ agreement | F1 vs fp16 store's answer |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def tail_stats(results: dict[str, dict[str, list]], baseline: str = "fp16") -> dict[str, dict[str, float]]:
+    """Per setting: the distribution over questions of ΔKL (its first-token KL minus the `baseline` store's on the
+    same question): mean, median, p90 (nearest rank), max and the question it came from; mean agreement F1 with
+    the full prefill and its Δ against the baseline's; mean F1 of its answer against the baseline store's answer."""
+    base = results[baseline]
+    out = {}
+    for label, r in results.items():
+        deltas = [kl - b for kl, b in zip(r["kl"], base["kl"])]
+        worst = max(range(len(deltas)), key=deltas.__getitem__)
+        questions = r.get("question") or [float("nan")] * len(deltas)
+        texts, base_texts = r.get("text"), base.get("text")
+        vs_base = (statistics.fmean(token_f1(t, b) for t, b in zip(texts, base_texts))
+                   if texts and base_texts else float("nan"))
+        bpt, base_bpt = statistics.fmean(r["bpt"]), statistics.fmean(base["bpt"])
+        out[label] = {"ratio": base_bpt / bpt if bpt == bpt else float("nan"), "mean": statistics.fmean(deltas),
+                      "median": statistics.median(deltas), "p90": percentile(deltas, 0.9), "max": deltas[worst],
+                      "worst_question": questions[worst], "agreement": statistics.fmean(r["agreement"]),
+                      "d_agreement": statistics.fmean(r["agreement"]) - statistics.fmean(base["agreement"]),
+                      "f1_vs_base": vs_base}
+    return out
+
+
+def tail_rows(results: dict[str, dict[str, list]], baseline: str = "fp16") -> list[str]:
+    """Markdown rows of tail_stats (see TAIL_HEADER)."""
+    rows = []
+    for label, t in tail_stats(results, baseline).items():
+        ratio = f"{t['ratio']:.2f}×" if t["ratio"] == t["ratio"] else "—"
+        rows.append(f"| {label} | {ratio} | {t['mean']:+.4f} | {t['median']:+.4f} | {t['p90']:+.4f} | "
+                    f"{t['max']:+.4f} (q{t['worst_question']:.0f}) | {t['agreement']:.3f} | "
+                    f"{t['d_agreement']:+.3f} | {t['f1_vs_base']:.3f} |")
+    return rows
+
+
+def _mixed(original: ChunkKV, coded: ChunkKV, *, k_layers=(), v_layers=(), exact_rows: int = 0) -> ChunkKV:
+    """`original` with the coded keys of `k_layers` and coded values of `v_layers` (the rest exact); the first
+    `exact_rows` rows of every coded layer are put back exact."""
+    def pick(orig: torch.Tensor, cod: torch.Tensor, coded_here: bool) -> torch.Tensor:
+        if not coded_here:
+            return orig
+        if exact_rows:
+            cod = cod.clone()
+            cod[:exact_rows] = orig[:exact_rows].to(cod.dtype)
+        return cod
+    keys = tuple(pick(o, c, i in k_layers) for i, (o, c) in enumerate(zip(original.keys, coded.keys)))
+    values = tuple(pick(o, c, i in v_layers) for i, (o, c) in enumerate(zip(original.values, coded.values)))
+    return ChunkKV(keys, values, original.token_ids, original.positions_start)
+
+
+def diagnose(engine, item: dict, setting: tuple[str, dict[str, Any]], *, num_chunks: int = 6,
+             recompute_ratio: float = 0.15, per_layer: bool = True) -> dict[str, float]:
+    """Where one question's KL increase under a codec comes from: first-token KL(full prefill ‖ cacheblend) with
+    only a part of the KV coded (the rest exact, in the engine's dtype), minus the KL with nothing coded.
+
+    Parts: everything; keys only; values only; keys / values of each layer third; each chunk position alone;
+    everything but the first 1 / 4 rows of each chunk (attention-sink-like tokens); with `per_layer`, the keys /
+    values of each single layer.
+    """
+    dtype = engine.adapter.dtype
+    texts = passages_of(item, num_chunks)
+    keys = [KVKey(engine.namespace, cid) for cid in engine.ingest(texts, show_progress=False)]
+    originals = [engine.kv_store.get(k) for k in keys]
+    codec = get_codec(*setting[:1], **setting[1])
+    coded = [_round_trip(codec, kv, dtype, with_bytes=False).kv for kv in originals]
+    num_layers = originals[0].num_layers
+    full = engine.prefill(texts, item["question"], method="full_prefill").logits
+    everything = set(range(num_layers))
+
+    def kl(kvs: list[ChunkKV]) -> float:
+        for key, kv in zip(keys, kvs):
+            engine.kv_store.put(key, kv.to(engine.adapter.device))
+        gen = engine.prefill(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio)
+        return first_token_kl(full, gen.logits)
+
+    base = kl(originals)
+    parts: dict[str, list[ChunkKV]] = {
+        "all": coded,
+        "K only": [_mixed(o, c, k_layers=everything) for o, c in zip(originals, coded)],
+        "V only": [_mixed(o, c, v_layers=everything) for o, c in zip(originals, coded)],
+        "all but first row of each chunk": [_mixed(o, c, k_layers=everything, v_layers=everything, exact_rows=1)
+                                            for o, c in zip(originals, coded)],
+        "all but first 4 rows of each chunk": [_mixed(o, c, k_layers=everything, v_layers=everything, exact_rows=4)
+                                               for o, c in zip(originals, coded)],
+    }
+    for g, name in enumerate(("0-1/3", "1/3-2/3", "2/3-1")):
+        band = {i for i in range(num_layers) if min(i * 3 // num_layers, 2) == g}
+        parts[f"K layers {name}"] = [_mixed(o, c, k_layers=band) for o, c in zip(originals, coded)]
+        parts[f"V layers {name}"] = [_mixed(o, c, v_layers=band) for o, c in zip(originals, coded)]
+    for j in range(len(originals)):
+        parts[f"chunk {j} only"] = [c if i == j else o for i, (o, c) in enumerate(zip(originals, coded))]
+    if per_layer:
+        for layer in range(num_layers):
+            parts[f"K layer {layer}"] = [_mixed(o, c, k_layers={layer}) for o, c in zip(originals, coded)]
+            parts[f"V layer {layer}"] = [_mixed(o, c, v_layers={layer}) for o, c in zip(originals, coded)]
+    out = {"kl (nothing coded)": base}
+    for label, kvs in parts.items():
+        out[label] = kl(kvs) - base
+    for key, kv in zip(keys, originals):
+        engine.kv_store.put(key, kv)
+    return out
+
+
 def print_combined(paths: list[str]) -> None:
     """One quality table from the per-question results of several runs (same settings, disjoint questions)."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
@@ -300,6 +410,8 @@ def print_combined(paths: list[str]) -> None:
                                                      if left_out else ""))
     print(QUALITY_HEADER)
     print("\n".join(quality_rows(merged)))
+    if "fp16" in merged:
+        print(f"\nper question, vs the fp16 store\n{TAIL_HEADER}\n" + "\n".join(tail_rows(merged)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -310,6 +422,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=2, help="questions whose passages give the KV to measure")
     parser.add_argument("--kl-questions", type=int, default=20, help="questions for the quality table")
     parser.add_argument("--skip-questions", type=int, default=0, help="start the quality table after this many")
+    parser.add_argument("--half", choices=sorted(HALVES), default=None,
+                        help="the quality table over one half of the dev set: 'choose' (questions 0-24, where "
+                             "defaults are picked) or 'report' (25-49, held back to confirm them); overrides "
+                             "--skip-questions/--kl-questions")
+    parser.add_argument("--diagnose", type=int, nargs="+", metavar="Q", default=None,
+                        help="for these question indices, the first-token KL increase with only parts of the KV "
+                             "coded by the first --setting (layers, K/V, chunk position, first rows); then exit")
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--setting", action="append", metavar="NAME[:K=V;K=V]", type=parse_setting,
@@ -337,6 +456,9 @@ def main(argv: list[str] | None = None) -> None:
         print_combined(args.combine)
         return
     settings = args.setting or DEFAULT_SETTINGS
+    if args.half:
+        args.skip_questions, end = HALVES[args.half]
+        args.kl_questions = end - args.skip_questions
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -346,7 +468,17 @@ def main(argv: list[str] | None = None) -> None:
     if path is None:
         raise SystemExit("MuSiQue data not found; set $CACHEBLEND_RAG_MUSIQUE")
     engine = CacheBlendEngine.from_pretrained(args.model, None, device="cpu", dtype=args.dtype)
-    items = load_dataset(path, max(args.questions, args.skip_questions + args.kl_questions))
+    items = load_dataset(path, max(args.questions, args.skip_questions + args.kl_questions,
+                                   1 + max(args.diagnose or [0])))
+    for i, item in enumerate(items):
+        item["_index"] = i
+    if args.diagnose:
+        for q in args.diagnose:
+            parts = diagnose(engine, items[q], settings[0], num_chunks=args.chunks)
+            print(f"\nquestion {q}, {setting_label(*settings[0])}, {args.dtype}: KL increase with only this part "
+                  "coded\n| part | Δ KL |\n|---|---|")
+            print("\n".join(f"| {k} | {v:+.4f} |" for k, v in parts.items()), flush=True)
+        return
     if not args.no_sizes:
         kvs = chunk_kvs(engine, [t for item in items[: args.questions] for t in passages_of(item, args.chunks)])
         print(f"{len(kvs)} chunks, {sum(kv.num_tokens for kv in kvs)} tokens, {args.dtype} "
@@ -404,6 +536,9 @@ def main(argv: list[str] | None = None) -> None:
           f"greedy {args.max_new_tokens} tokens")
     print(QUALITY_HEADER)
     print("\n".join(quality_rows(results)), flush=True)
+    if "fp16" in results:
+        print(f"\nper question, vs the fp16 store ({args.dtype})\n{TAIL_HEADER}\n" + "\n".join(tail_rows(results)),
+              flush=True)
 
 
 if __name__ == "__main__":
