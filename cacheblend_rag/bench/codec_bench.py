@@ -109,22 +109,22 @@ def _round_trip(codec, kv: ChunkKV, dtype: torch.dtype, *, with_bytes: bool) -> 
 
 def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str, Any]]], *, num_chunks: int = 6,
                   recompute_ratio: float = 0.15, max_new_tokens: int = 32,
-                  on_question=None, with_bytes: bool = True) -> dict[str, dict[str, list[float]]]:
+                  on_question=None, with_bytes: bool = True,
+                  reuse_dir: str | Path | None = None) -> dict[str, dict[str, list[float]]]:
     """Per setting and question: first-token KL(full prefill ‖ cacheblend over codec-round-tripped KV), greedy
     answer agreement (token F1 with the full prefill's answer), first-token match, stored bytes per token, and
     "kl_none": KL(cacheblend over the uncoded KV ‖ cacheblend over the coded KV), the codec's own distortion
     (KL vs full prefill moves up or down by ±0.03 per question under tiny KV changes; this one does not).
 
     "none" is the engine's own KV (no store round trip); put ("fp16", {}) in `settings` for the baseline store.
+    With `reuse_dir`, each question's chunk KV and full-prefill answer are kept there and read back by later runs
+    (the chunks' prefill and the full prefill dominate a question's cost; a setting costs one CacheBlend pass).
     """
     out: dict[str, dict[str, list[float]]] = {}
     dtype = engine.adapter.dtype
     for item in items:
         texts = passages_of(item, num_chunks)
-        ids = engine.ingest(texts, show_progress=False)
-        keys = [KVKey(engine.namespace, cid) for cid in ids]
-        originals = [engine.kv_store.get(k) for k in keys]
-        full = engine.generate(texts, item["question"], method="full_prefill", max_new_tokens=max_new_tokens)
+        keys, originals, full = _question_state(engine, item, texts, max_new_tokens, reuse_dir)
         uncoded = None
         for name, params in [("none", {})] + settings:
             nbytes = tokens = 0
@@ -153,6 +153,36 @@ def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str,
         if on_question is not None:  # e.g. print the table so far: a long run still leaves figures if stopped
             on_question(len(next(iter(out.values()))["kl"]), out)
     return out
+
+
+@dataclass
+class _Answer:
+    text: str
+    logits: torch.Tensor
+
+
+def _question_state(engine, item: dict, texts: list[str], max_new_tokens: int, reuse_dir: str | Path | None):
+    """(store keys, chunk KVs, full-prefill answer) of one question: computed, or read from `reuse_dir`."""
+    from ..ingest.chunks import make_chunk
+
+    path = None
+    if reuse_dir is not None:
+        tag = f"{item.get('_index', item['question'][:20])}-{len(texts)}-{engine.adapter.dtype}-{max_new_tokens}"
+        path = Path(reuse_dir) / f"q{''.join(c if c.isalnum() or c in '-_' else '_' for c in tag)}.pt"
+        if path.is_file():
+            saved = torch.load(path, weights_only=False)
+            keys = [KVKey(engine.namespace, make_chunk(t, engine.tokenizer).chunk_id) for t in texts]
+            for key, kv in zip(keys, saved["kvs"]):
+                engine.kv_store.put(key, kv.to(engine.adapter.device))
+            return keys, saved["kvs"], _Answer(saved["text"], saved["logits"])
+    ids = engine.ingest(texts, show_progress=False)
+    keys = [KVKey(engine.namespace, cid) for cid in ids]
+    originals = [engine.kv_store.get(k) for k in keys]
+    full = engine.generate(texts, item["question"], method="full_prefill", max_new_tokens=max_new_tokens)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"kvs": [kv.to("cpu") for kv in originals], "text": full.text, "logits": full.logits.cpu()}, path)
+    return keys, originals, _Answer(full.text, full.logits)
 
 
 def _engine_over(engine, store):
@@ -341,7 +371,8 @@ def _mixed(original: ChunkKV, coded: ChunkKV, *, k_layers=(), v_layers=(), exact
 
 
 def diagnose(engine, item: dict, setting: tuple[str, dict[str, Any]], *, num_chunks: int = 6,
-             recompute_ratio: float = 0.15, per_layer: bool = True) -> dict[str, float]:
+             recompute_ratio: float = 0.15, per_layer: bool = False, max_new_tokens: int = 32,
+             reuse_dir: str | Path | None = None) -> dict[str, float]:
     """Where one question's KL increase under a codec comes from: first-token KL(full prefill ‖ cacheblend) with
     only a part of the KV coded (the rest exact, in the engine's dtype), minus the KL with nothing coded.
 
@@ -351,12 +382,11 @@ def diagnose(engine, item: dict, setting: tuple[str, dict[str, Any]], *, num_chu
     """
     dtype = engine.adapter.dtype
     texts = passages_of(item, num_chunks)
-    keys = [KVKey(engine.namespace, cid) for cid in engine.ingest(texts, show_progress=False)]
-    originals = [engine.kv_store.get(k) for k in keys]
+    keys, originals, answer = _question_state(engine, item, texts, max_new_tokens, reuse_dir)
+    full = answer.logits
     codec = get_codec(*setting[:1], **setting[1])
     coded = [_round_trip(codec, kv, dtype, with_bytes=False).kv for kv in originals]
     num_layers = originals[0].num_layers
-    full = engine.prefill(texts, item["question"], method="full_prefill").logits
     everything = set(range(num_layers))
 
     def kl(kvs: list[ChunkKV]) -> float:
@@ -429,6 +459,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--diagnose", type=int, nargs="+", metavar="Q", default=None,
                         help="for these question indices, the first-token KL increase with only parts of the KV "
                              "coded by the first --setting (layers, K/V, chunk position, first rows); then exit")
+    parser.add_argument("--diagnose-layers", action="store_true", help="--diagnose each single layer's K and V too")
+    parser.add_argument("--reuse", metavar="DIR", default=None,
+                        help="keep each question's chunk KV and full-prefill answer in DIR and reuse them in later runs "
+                             "(same model, dtype, chunks and --max-new-tokens)")
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--setting", action="append", metavar="NAME[:K=V;K=V]", type=parse_setting,
@@ -474,7 +508,8 @@ def main(argv: list[str] | None = None) -> None:
         item["_index"] = i
     if args.diagnose:
         for q in args.diagnose:
-            parts = diagnose(engine, items[q], settings[0], num_chunks=args.chunks)
+            parts = diagnose(engine, items[q], settings[0], num_chunks=args.chunks, per_layer=args.diagnose_layers,
+                             max_new_tokens=args.max_new_tokens, reuse_dir=args.reuse)
             print(f"\nquestion {q}, {setting_label(*settings[0])}, {args.dtype}: KL increase with only this part "
                   "coded\n| part | Δ KL |\n|---|---|")
             print("\n".join(f"| {k} | {v:+.4f} |" for k, v in parts.items()), flush=True)
@@ -531,7 +566,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n(after {done} questions)\n{QUALITY_HEADER}\n" + "\n".join(quality_rows(results)), flush=True)
 
     results = codec_quality(engine, chosen, settings, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
-                            on_question=progress, with_bytes=not args.no_bytes)
+                            on_question=progress, with_bytes=not args.no_bytes, reuse_dir=args.reuse)
     print(f"\nvs full prefill, cacheblend@0.15, {len(chosen)} questions × {args.chunks} passages, {args.dtype}, "
           f"greedy {args.max_new_tokens} tokens")
     print(QUALITY_HEADER)
