@@ -110,7 +110,7 @@ def _round_trip(codec, kv: ChunkKV, dtype: torch.dtype, *, with_bytes: bool) -> 
 def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str, Any]]], *, num_chunks: int = 6,
                   recompute_ratio: float = 0.15, max_new_tokens: int = 32,
                   on_question=None, with_bytes: bool = True,
-                  reuse_dir: str | Path | None = None) -> dict[str, dict[str, list[float]]]:
+                  reuse_dir: str | Path | None = None, code_segments: bool = True) -> dict[str, dict[str, list[float]]]:
     """Per setting and question: first-token KL(full prefill ‖ cacheblend over codec-round-tripped KV), greedy
     answer agreement (token F1 with the full prefill's answer), first-token match, stored bytes per token, and
     "kl_none": KL(cacheblend over the uncoded KV ‖ cacheblend over the coded KV), the codec's own distortion
@@ -119,12 +119,22 @@ def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str,
     "none" is the engine's own KV (no store round trip); put ("fp16", {}) in `settings` for the baseline store.
     With `reuse_dir`, each question's chunk KV and full-prefill answer are kept there and read back by later runs
     (the chunks' prefill and the full prefill dominate a question's cost; a setting costs one CacheBlend pass).
+    With `code_segments` (the default since issue 30), the exact segments in the store (the lead-in every chunk is
+    computed behind, whose first row is the attention sink) go through the codec too, as in a store built with
+    `kv_codec=`; before, only the chunks did, which hid the sink's error. (Chunks are still computed behind the exact
+    lead-in: a coded store computes them behind its decoded one.)
     """
     out: dict[str, dict[str, list[float]]] = {}
     dtype = engine.adapter.dtype
     for item in items:
         texts = passages_of(item, num_chunks)
         keys, originals, full = _question_state(engine, item, texts, max_new_tokens, reuse_dir)
+        if code_segments:  # the lead-in segment(s) the store holds, coded like the chunks
+            segs = [k for k in engine.kv_store.keys() if k.chunk_id.startswith("seg-")]
+            if not segs:  # the first request computes and stores the lead-in
+                engine.prefill(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio)
+                segs = [k for k in engine.kv_store.keys() if k.chunk_id.startswith("seg-")]
+            keys, originals = keys + segs, originals + [engine.kv_store.get(k) for k in segs]
         uncoded = None
         for name, params in [("none", {})] + settings:
             nbytes = tokens = 0
@@ -138,6 +148,8 @@ def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str,
                 engine.kv_store.put(key, kv)
             gen = engine.generate(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio,
                                   max_new_tokens=max_new_tokens)
+            if code_segments and name != "none" and not gen.stats.chunk_hits:
+                raise RuntimeError("codec bench: the coded KV was not used (no chunk hits)")
             uncoded = gen if uncoded is None else uncoded  # "none" runs first
             rec = out.setdefault(setting_label(name, params), {"kl": [], "agreement": [], "match": [], "bpt": [],
                                                                "kl_none": [], "question": [], "text": []})
@@ -383,6 +395,12 @@ def diagnose(engine, item: dict, setting: tuple[str, dict[str, Any]], *, num_chu
     dtype = engine.adapter.dtype
     texts = passages_of(item, num_chunks)
     keys, originals, answer = _question_state(engine, item, texts, max_new_tokens, reuse_dir)
+    segs = [k for k in engine.kv_store.keys() if k.chunk_id.startswith("seg-")]
+    if not segs:
+        engine.prefill(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio)
+        segs = [k for k in engine.kv_store.keys() if k.chunk_id.startswith("seg-")]
+    num_chunks_coded = len(keys)
+    keys, originals = keys + segs, originals + [engine.kv_store.get(k) for k in segs]
     full = answer.logits
     codec = get_codec(*setting[:1], **setting[1])
     coded = [_round_trip(codec, kv, dtype, with_bytes=False).kv for kv in originals]
@@ -409,7 +427,12 @@ def diagnose(engine, item: dict, setting: tuple[str, dict[str, Any]], *, num_chu
         band = {i for i in range(num_layers) if min(i * 3 // num_layers, 2) == g}
         parts[f"K layers {name}"] = [_mixed(o, c, k_layers=band) for o, c in zip(originals, coded)]
         parts[f"V layers {name}"] = [_mixed(o, c, v_layers=band) for o, c in zip(originals, coded)]
-    for j in range(len(originals)):
+    parts["lead-in only"] = [c if i >= num_chunks_coded else o for i, (o, c) in enumerate(zip(originals, coded))]
+    parts["lead-in only, its first row exact"] = [
+        _mixed(o, c, k_layers=everything, v_layers=everything, exact_rows=1) if i >= num_chunks_coded else o
+        for i, (o, c) in enumerate(zip(originals, coded))]
+    parts["chunks only"] = [c if i < num_chunks_coded else o for i, (o, c) in enumerate(zip(originals, coded))]
+    for j in range(num_chunks_coded):
         parts[f"chunk {j} only"] = [c if i == j else o for i, (o, c) in enumerate(zip(originals, coded))]
     if per_layer:
         for layer in range(num_layers):
@@ -463,6 +486,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reuse", metavar="DIR", default=None,
                         help="keep each question's chunk KV and full-prefill answer in DIR and reuse them in later runs "
                              "(same model, dtype, chunks and --max-new-tokens)")
+    parser.add_argument("--exact-lead-in", action="store_true",
+                        help="code only the chunks, leaving the stored lead-in segment exact (the bench before issue "
+                             "30; a store built with kv_codec= codes the lead-in too)")
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--setting", action="append", metavar="NAME[:K=V;K=V]", type=parse_setting,
@@ -566,7 +592,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n(after {done} questions)\n{QUALITY_HEADER}\n" + "\n".join(quality_rows(results)), flush=True)
 
     results = codec_quality(engine, chosen, settings, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
-                            on_question=progress, with_bytes=not args.no_bytes, reuse_dir=args.reuse)
+                            on_question=progress, with_bytes=not args.no_bytes, reuse_dir=args.reuse,
+                            code_segments=not args.exact_lead_in)
     print(f"\nvs full prefill, cacheblend@0.15, {len(chosen)} questions × {args.chunks} passages, {args.dtype}, "
           f"greedy {args.max_new_tokens} tokens")
     print(QUALITY_HEADER)
