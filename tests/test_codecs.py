@@ -524,3 +524,32 @@ def test_cachegen_exact_rows_is_a_validated_parameter_in_the_header():
     for bad in ("-1", "x", 1.5):
         with pytest.raises(UnknownCodecError):
             get_codec("cachegen", exact_rows=bad)
+
+
+def test_tail_stats_are_per_question_deltas_against_the_fp16_store():
+    from cacheblend_rag.bench.codec_bench import tail_rows, tail_stats
+
+    n = 10
+    fp16 = {"kl": [0.1] * n, "agreement": [1.0] * n, "bpt": [20.0] * n, "question": [float(i) for i in range(n)],
+            "text": ["a b"] * n}
+    coded = {**fp16, "kl": [0.1] * 8 + [0.15, 0.4], "agreement": [1.0] * 9 + [0.5], "bpt": [4.0] * n,
+             "text": ["a b"] * 9 + ["c"]}
+    t = tail_stats({"fp16": fp16, "cachegen": coded})["cachegen"]
+    assert t["ratio"] == pytest.approx(5.0) and t["median"] == pytest.approx(0.0)
+    assert t["mean"] == pytest.approx(0.035) and t["max"] == pytest.approx(0.3) and t["worst_question"] == 9
+    assert t["p90"] == pytest.approx(0.3)  # nearest rank: the 10th of 10
+    assert t["d_agreement"] == pytest.approx(-0.05) and t["f1_vs_base"] == pytest.approx(0.9)
+    assert "(q9)" in tail_rows({"fp16": fp16, "cachegen": coded})[1]
+
+
+def test_diagnosis_mix_codes_only_the_named_layers_and_puts_first_rows_back():
+    from cacheblend_rag.bench.codec_bench import _mixed
+
+    g = torch.Generator().manual_seed(0)
+    orig = ChunkKV(tuple(torch.randn(6, 1, 4, generator=g) for _ in range(3)),
+                   tuple(torch.randn(6, 1, 4, generator=g) for _ in range(3)), torch.arange(6))
+    coded = ChunkKV(tuple(k + 1 for k in orig.keys), tuple(v + 1 for v in orig.values), orig.token_ids)
+    mixed = _mixed(orig, coded, k_layers={1}, v_layers={0, 2}, exact_rows=2)
+    assert torch.equal(mixed.keys[0], orig.keys[0]) and torch.equal(mixed.values[1], orig.values[1])
+    assert torch.equal(mixed.keys[1][:2], orig.keys[1][:2]) and torch.equal(mixed.keys[1][2:], coded.keys[1][2:])
+    assert torch.equal(mixed.values[2][2:], coded.values[2][2:])
