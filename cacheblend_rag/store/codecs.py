@@ -395,12 +395,20 @@ class CacheGenCodec:
        step = absmax / levels_of(bits) (2**(bits-1) - 1; bits may be half-integers) per channel
        (`*_axis="channel"`, over the chunk's tokens) or per token and head (`"token"`), stored in fp16
        rounded up; |error| <= step / 2.
+    Before step 1, the first `exact_rows` rows (default 1) are taken out and stored as they are (fp16, or the
+    input's dtype when it is fp16/bf16): in the stored lead-in segment (position 0) the first row is the
+    attention sink, whose quantization error alone moved the first-token KL by +0.03-0.11 on MuSiQue questions
+    (issue 30, docs/benchmarks.md "CacheGen's tail"); its values would also set the per-channel steps of every
+    other row. In a chunk the first row is an ordinary token and costs ~38 B/token of a 600-token chunk.
+
     4. Entropy-coded: the symbols of each (layer, K|V, KV head) share one categorical model whose
        symbol counts are stored in the payload (uint16), and all streams of a layer go through one
        `constriction` ANS coder (version 2; version 1 used its range coder, which decodes ~20 % slower
-       for the same bytes: version-1 entries are a miss and get recomputed).
+       for the same bytes: version-1 entries are a miss and get recomputed). Version 3 adds the exact rows
+       (`k_exact`/`v_exact`, a 9th meta entry); version-2 entries are refused by the stores, a miss.
 
-    Stored per layer: `meta` (int32 shape, settings and payload words), `k_anchor`/`v_anchor`, `k_step`/`v_step`,
+    Stored per layer: `meta` (int32 shape, settings, payload words, exact rows), `k_exact`/`v_exact`,
+    `k_anchor`/`v_anchor`, `k_step`/`v_step`,
     `tables` (uint16 counts), `payload` (uint8 ANS words) and `crc` (int64 crc32 of the other
     tensors, then of the decoded symbols).
     """
@@ -416,7 +424,9 @@ class CacheGenCodec:
         key_bits: Any = (5.5, 4.5, 4.5),
         value_bits: Any = (3.5, 3, 3),
         group_size: Any = 0,
-        exact_rows: Any = 0,
+        # the first row of every entry stored as it is (issue 30): in the lead-in segment it is the attention
+        # sink, whose error alone gave +0.03-0.11 first-token KL; it also set every other row's per-channel step
+        exact_rows: Any = 1,
         key_axis: str = "channel",
         value_axis: str = "channel",
         checksum: Any = True,
