@@ -14,8 +14,8 @@ Codecs (bytes per token for SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64):
 
     fp16 / bf16 / fp32   raw tensors                                   23,040 B (fp16)
     int8                 absmax int8, per-token steps (fp16)            11,880 B  (1.94x)
-    cachegen             CacheGen: anchors, layer-grouped bits, ANS      4,502 B  (5.1x; 600-token chunks,
-                         coding (see CacheGenCodec)                              ~2 kB fixed per layer)
+    cachegen             CacheGen: first row exact, anchors, layer-      4,533 B  (5.08x; 600-token chunks,
+                         grouped bits, ANS coding (see CacheGenCodec)            ~2 kB fixed per layer)
 
 `python -m cacheblend_rag.store.codecs` measures them on real KV (bytes/token, error per layer
 group, encode/decode MB/s, a size-quality sweep).
