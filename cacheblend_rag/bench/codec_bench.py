@@ -487,8 +487,8 @@ def main(argv: list[str] | None = None) -> None:
                              "coded by the first --setting (layers, K/V, chunk position, first rows); then exit")
     parser.add_argument("--diagnose-layers", action="store_true", help="--diagnose each single layer's K and V too")
     parser.add_argument("--reuse", metavar="DIR", default=None,
-                        help="keep each question's chunk KV and full-prefill answer in DIR and reuse them in later runs "
-                             "(same model, dtype, chunks and --max-new-tokens)")
+                        help="keep each question's chunk KV and full-prefill answer in DIR and reuse them in later "
+                             "runs (same model, dtype, chunks and --max-new-tokens)")
     parser.add_argument("--exact-lead-in", action="store_true",
                         help="code only the chunks, leaving the stored lead-in segment exact (the bench before issue "
                              "30; a store built with kv_codec= codes the lead-in too)")

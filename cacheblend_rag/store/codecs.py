@@ -511,7 +511,8 @@ class CacheGenCodec:
         gidx = self._group_index(k.shape[0] - num_exact)
         counts_per_group = torch.bincount(gidx).to(torch.float32).view(-1, 1, 1)
         out = []
-        for name, x, raw, bits, axis in (("k", k, keys, kbits, self.key_axis), ("v", v, values, vbits, self.value_axis)):
+        specs = (("k", k, keys, kbits, self.key_axis), ("v", v, values, vbits, self.value_axis))
+        for name, x, raw, bits, axis in specs:
             _require_finite(x, "keys" if name == "k" else "values", self.name)
             anchor, step, q = self._quantize(x[num_exact:], bits, axis, gidx, counts_per_group)
             body = self._dequantize(q, step.float(), anchor, gidx)
@@ -537,7 +538,8 @@ class CacheGenCodec:
         streams: list[tuple[np.ndarray, np.ndarray]] = []  # (symbols shifted to >= 0, counts)
         sym_crc = 0
         encoder = self._cs.stream.stack.AnsCoder()
-        for name, x, raw, bits, axis in (("k", k, keys, kbits, self.key_axis), ("v", v, values, vbits, self.value_axis)):
+        specs = (("k", k, keys, kbits, self.key_axis), ("v", v, values, vbits, self.value_axis))
+        for name, x, raw, bits, axis in specs:
             _require_finite(x, "keys" if name == "k" else "values", self.name)
             levels = levels_of(bits)
             # the leading rows (attention-sink-like: the chunk's own first tokens) are stored as they are and
@@ -605,8 +607,9 @@ class CacheGenCodec:
             exact = tensors[f"{name}_exact"]
             if (not isinstance(exact, torch.Tensor) or exact.dtype not in _FLOAT_DTYPES
                     or tuple(exact.shape) != (num_exact, num_kv_heads, dim) or not bool(torch.isfinite(exact).all())):
-                raise CodecError(f"tensor {name}_exact must be ({num_exact}, {num_kv_heads}, {dim}) finite floats, got "
-                                 f"{getattr(exact, 'dtype', type(exact).__name__)} {tuple(getattr(exact, 'shape', ()))}")
+                got = f"{getattr(exact, 'dtype', type(exact).__name__)} {tuple(getattr(exact, 'shape', ()))}"
+                raise CodecError(f"tensor {name}_exact must be ({num_exact}, {num_kv_heads}, {dim}) finite floats, "
+                                 f"got {got}")
             # symbols land in uint8 (alphabets are at most 255 wide); subtracting `levels` wraps modulo 256,
             # so the bytes read as int8 are the signed symbols without another int32 pass
             sym = np.empty((num_kv_heads, num_rows * dim), dtype=np.uint8)
