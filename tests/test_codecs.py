@@ -67,6 +67,19 @@ def _shape(k: torch.Tensor, v: torch.Tensor, layer: int, num_layers: int, dtype=
                 layer=layer, num_layers=num_layers, dtype=dtype)
 
 
+class _NoExact:
+    """A cachegen codec seen without its exact rows (for the bound over the quantized rows)."""
+
+    def __init__(self, codec) -> None:
+        self._codec = codec
+
+    def __getattr__(self, name):
+        return getattr(self._codec, name)
+
+    def num_exact(self, num_tokens: int) -> int:
+        return 0
+
+
 def _bound(codec, enc: dict, name: str, x: torch.Tensor, layer: int, num_layers: int) -> torch.Tensor:
     """Per-element error bound implied by the codec's bits: half a quantization step of the stored input."""
     if codec.name in ("fp16", "bf16", "fp32"):
@@ -74,6 +87,11 @@ def _bound(codec, enc: dict, name: str, x: torch.Tensor, layer: int, num_layers:
     axis = codec.key_axis if name == "k" else codec.value_axis
     if codec.name == "int8":
         levels, centred = 127, x
+    elif codec.num_exact(x.shape[0]):  # leading rows kept exact (fp16 for fp32 input); the rest as usual
+        n = codec.num_exact(x.shape[0])
+        rest = {**enc, f"{name}_anchor": enc[f"{name}_anchor"]}
+        head = x[:n].abs() * ROUND[torch.float16] + TINY[torch.float16]
+        return torch.cat([head, _bound(_NoExact(codec), rest, name, x[n:], layer, num_layers)])
     else:
         bits = codec.bits_for(layer, num_layers)[0 if name == "k" else 1]
         levels = round(2 ** (bits - 1)) - 1  # half bits (4.5) round to whole levels (10)
@@ -306,6 +324,8 @@ def test_any_flipped_byte_is_a_codec_error(name, params):
     codec, enc, shape = _payload(name, params)
     for tname, t in enc.items():
         raw = t.contiguous().view(torch.uint8).reshape(-1)
+        if raw.numel() == 0:  # cachegen's exact rows with exact_rows=0: no byte to flip
+            continue
         for pos in sorted({0, raw.numel() // 2, raw.numel() - 1}):
             bad = raw.clone()
             bad[pos] ^= 0x41
@@ -448,3 +468,88 @@ def test_combined_quality_tables_keep_only_settings_every_run_has(tmp_path, caps
     out = capsys.readouterr().out
     assert "4 questions from 2 runs (left out, not in every run: cachegen)" in out
     assert "| int8 |" in out and "| cachegen |" not in out
+
+
+# ---- exact leading rows (issue 30) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("exact_rows", [1, 4])
+def test_cachegen_exact_rows_decode_bit_exact_and_leave_the_others_steps_alone(dtype, exact_rows):
+    """The first rows come back as the fp16 store would give them (their own dtype when fp16/bf16), and an
+    outlier among them no longer sets the quantization step of every other row."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(40, 2, 16, generator=g)
+    v = torch.randn(40, 2, 16, generator=g)
+    k[0] *= 50  # a sink-like first row
+    k, v = k.to(dtype), v.to(dtype)
+    plain, kept = CacheGenCodec(exact_rows=0), CacheGenCodec(exact_rows=exact_rows)
+    shape = _shape(k, v, 0, 3, torch.float32)
+    dk, dv = kept.decode_layer(kept.encode_layer(k, v, 0, 3), **shape)
+    cast = torch.float16 if dtype == torch.float32 else dtype
+    assert torch.equal(dk[:exact_rows], k[:exact_rows].to(cast).float())
+    assert torch.equal(dv[:exact_rows], v[:exact_rows].to(cast).float())
+    pk, _ = plain.decode_layer(plain.encode_layer(k, v, 0, 3), **shape)
+    rest = k[exact_rows:].float()
+    assert float((dk[exact_rows:] - rest).abs().mean()) < 0.2 * float((pk[exact_rows:] - rest).abs().mean())
+    rk, rv = kept.reconstruct_layer(k, v, 0, 3, torch.float32)
+    assert torch.equal(rk, dk) and torch.equal(rv, dv)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 5])
+def test_cachegen_chunks_shorter_than_the_exact_rows_keep_one_quantized_row(num_tokens):
+    codec = CacheGenCodec(exact_rows=4)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(num_tokens, 2, 8, generator=g), torch.randn(num_tokens, 2, 8, generator=g)
+    enc = codec.encode_layer(k, v, 0, 2)
+    assert enc["k_exact"].shape[0] == codec.num_exact(num_tokens) == min(4, num_tokens - 1)
+    _roundtrip_check(codec, k, v, 0, 2, torch.float32)
+
+
+def test_a_version_2_cachegen_payload_is_a_clear_codec_error():
+    """Version 2 had no exact rows and an 8-entry meta: read by version 3 it is refused, never misread (the
+    stores refuse the v2 header before this: an old entry is a miss and gets recomputed)."""
+    codec, enc, shape = _payload("cachegen", {"exact_rows": 0}, checksum=False)
+    old = {n: t for n, t in enc.items() if n not in ("k_exact", "v_exact")}
+    old["meta"] = enc["meta"][:8].clone()
+    with pytest.raises(CodecError, match="expected"):
+        codec.decode_layer(old, **shape)
+    with pytest.raises(CodecError, match="meta"):
+        codec.decode_layer({**old, "k_exact": enc["k_exact"], "v_exact": enc["v_exact"]}, **shape)
+    assert CacheGenCodec.version == "3"
+
+
+def test_cachegen_exact_rows_is_a_validated_parameter_in_the_header():
+    assert get_codec("cachegen", exact_rows="2").params()["exact_rows"] == "2"
+    for bad in ("-1", "x", 1.5):
+        with pytest.raises(UnknownCodecError):
+            get_codec("cachegen", exact_rows=bad)
+
+
+def test_tail_stats_are_per_question_deltas_against_the_fp16_store():
+    from cacheblend_rag.bench.codec_bench import tail_rows, tail_stats
+
+    n = 10
+    fp16 = {"kl": [0.1] * n, "agreement": [1.0] * n, "bpt": [20.0] * n, "question": [float(i) for i in range(n)],
+            "text": ["a b"] * n}
+    coded = {**fp16, "kl": [0.1] * 8 + [0.15, 0.4], "agreement": [1.0] * 9 + [0.5], "bpt": [4.0] * n,
+             "text": ["a b"] * 9 + ["c"]}
+    t = tail_stats({"fp16": fp16, "cachegen": coded})["cachegen"]
+    assert t["ratio"] == pytest.approx(5.0) and t["median"] == pytest.approx(0.0)
+    assert t["mean"] == pytest.approx(0.035) and t["max"] == pytest.approx(0.3) and t["worst_question"] == 9
+    assert t["p90"] == pytest.approx(0.3)  # nearest rank: the 10th of 10
+    assert t["d_agreement"] == pytest.approx(-0.05) and t["f1_vs_base"] == pytest.approx(0.9)
+    assert "(q9)" in tail_rows({"fp16": fp16, "cachegen": coded})[1]
+
+
+def test_diagnosis_mix_codes_only_the_named_layers_and_puts_first_rows_back():
+    from cacheblend_rag.bench.codec_bench import _mixed
+
+    g = torch.Generator().manual_seed(0)
+    orig = ChunkKV(tuple(torch.randn(6, 1, 4, generator=g) for _ in range(3)),
+                   tuple(torch.randn(6, 1, 4, generator=g) for _ in range(3)), torch.arange(6))
+    coded = ChunkKV(tuple(k + 1 for k in orig.keys), tuple(v + 1 for v in orig.values), orig.token_ids)
+    mixed = _mixed(orig, coded, k_layers={1}, v_layers={0, 2}, exact_rows=2)
+    assert torch.equal(mixed.keys[0], orig.keys[0]) and torch.equal(mixed.values[1], orig.values[1])
+    assert torch.equal(mixed.keys[1][:2], orig.keys[1][:2]) and torch.equal(mixed.keys[1][2:], coded.keys[1][2:])
+    assert torch.equal(mixed.values[2][2:], coded.values[2][2:])

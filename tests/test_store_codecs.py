@@ -244,10 +244,11 @@ def test_a_payload_the_codec_rejects_is_a_miss_even_with_matching_store_checksum
     {"codec": "zstd"},
     {"codec_version": "99"},
     {"codec_version": "1"},  # cachegen v1 (range coder) entries: a miss since v2's ANS payload
+    {"codec_version": "2"},  # cachegen v2 entries (no exact rows): a miss since v3 (issue 30)
     {"codec_params": "{not json"},
     {"codec_params": json.dumps({"key_bits": "1"})},
     {"format_version": "3"},
-], ids=["name", "version", "version-1", "params-json", "params-invalid", "format"])
+], ids=["name", "version", "version-1", "version-2", "params-json", "params-invalid", "format"])
 def test_an_unknown_codec_in_a_header_is_a_miss_never_a_crash(tmp_path, edit):
     store = DiskStore(tmp_path, codec="cachegen")
     store.put(KEY, make_kv())

@@ -24,7 +24,7 @@ from ..store import KVKey
 from ..store.base import ChunkKV
 from ..store.codecs import GROUP_SPEED_HEADER, MEASUREMENT_HEADER, decode_chunk, encode_chunk, get_codec, layer_nbytes, measure_codec
 from .datasets import load_dataset, passages_of, resolve_dataset
-from .metrics import first_token_kl, token_f1
+from .metrics import first_token_kl, percentile, token_f1
 
 logger = logging.getLogger(__name__)
 
@@ -109,22 +109,32 @@ def _round_trip(codec, kv: ChunkKV, dtype: torch.dtype, *, with_bytes: bool) -> 
 
 def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str, Any]]], *, num_chunks: int = 6,
                   recompute_ratio: float = 0.15, max_new_tokens: int = 32,
-                  on_question=None, with_bytes: bool = True) -> dict[str, dict[str, list[float]]]:
+                  on_question=None, with_bytes: bool = True,
+                  reuse_dir: str | Path | None = None, code_segments: bool = True) -> dict[str, dict[str, list[float]]]:
     """Per setting and question: first-token KL(full prefill ‖ cacheblend over codec-round-tripped KV), greedy
     answer agreement (token F1 with the full prefill's answer), first-token match, stored bytes per token, and
     "kl_none": KL(cacheblend over the uncoded KV ‖ cacheblend over the coded KV), the codec's own distortion
     (KL vs full prefill moves up or down by ±0.03 per question under tiny KV changes; this one does not).
 
     "none" is the engine's own KV (no store round trip); put ("fp16", {}) in `settings` for the baseline store.
+    With `reuse_dir`, each question's chunk KV and full-prefill answer are kept there and read back by later runs
+    (the chunks' prefill and the full prefill dominate a question's cost; a setting costs one CacheBlend pass).
+    With `code_segments` (the default since issue 30), the exact segments in the store (the lead-in every chunk is
+    computed behind, whose first row is the attention sink) go through the codec too, as in a store built with
+    `kv_codec=`; before, only the chunks did, which hid the sink's error. (Chunks are still computed behind the exact
+    lead-in: a coded store computes them behind its decoded one.)
     """
     out: dict[str, dict[str, list[float]]] = {}
     dtype = engine.adapter.dtype
     for item in items:
         texts = passages_of(item, num_chunks)
-        ids = engine.ingest(texts, show_progress=False)
-        keys = [KVKey(engine.namespace, cid) for cid in ids]
-        originals = [engine.kv_store.get(k) for k in keys]
-        full = engine.generate(texts, item["question"], method="full_prefill", max_new_tokens=max_new_tokens)
+        keys, originals, full = _question_state(engine, item, texts, max_new_tokens, reuse_dir)
+        if code_segments:  # the lead-in segment(s) the store holds, coded like the chunks
+            segs = [k for k in engine.kv_store.keys() if k.chunk_id.startswith("seg-")]
+            if not segs:  # the first request computes and stores the lead-in
+                engine.prefill(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio)
+                segs = [k for k in engine.kv_store.keys() if k.chunk_id.startswith("seg-")]
+            keys, originals = keys + segs, originals + [engine.kv_store.get(k) for k in segs]
         uncoded = None
         for name, params in [("none", {})] + settings:
             nbytes = tokens = 0
@@ -138,19 +148,53 @@ def codec_quality(engine, items: list[dict], settings: list[tuple[str, dict[str,
                 engine.kv_store.put(key, kv)
             gen = engine.generate(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio,
                                   max_new_tokens=max_new_tokens)
+            if code_segments and name != "none" and not gen.stats.chunk_hits:
+                raise RuntimeError("codec bench: the coded KV was not used (no chunk hits)")
             uncoded = gen if uncoded is None else uncoded  # "none" runs first
-            rec = out.setdefault(setting_label(name, params),
-                                 {"kl": [], "agreement": [], "match": [], "bpt": [], "kl_none": []})
+            rec = out.setdefault(setting_label(name, params), {"kl": [], "agreement": [], "match": [], "bpt": [],
+                                                               "kl_none": [], "question": [], "text": []})
             rec["kl"].append(max(0.0, first_token_kl(full.logits, gen.logits)))
             rec["kl_none"].append(max(0.0, first_token_kl(uncoded.logits, gen.logits)))
             rec["agreement"].append(token_f1(gen.text, full.text))
             rec["match"].append(float(int(gen.logits.argmax()) == int(full.logits.argmax())))
             rec["bpt"].append(nbytes / tokens if tokens and nbytes else float("nan"))
+            rec["question"].append(float(item.get("_index", -1)))
+            rec["text"].append(gen.text)
         for key, kv in zip(keys, originals):
             engine.kv_store.put(key, kv)
         if on_question is not None:  # e.g. print the table so far: a long run still leaves figures if stopped
             on_question(len(next(iter(out.values()))["kl"]), out)
     return out
+
+
+@dataclass
+class _Answer:
+    text: str
+    logits: torch.Tensor
+
+
+def _question_state(engine, item: dict, texts: list[str], max_new_tokens: int, reuse_dir: str | Path | None):
+    """(store keys, chunk KVs, full-prefill answer) of one question: computed, or read from `reuse_dir`."""
+    from ..ingest.chunks import make_chunk
+
+    path = None
+    if reuse_dir is not None:
+        tag = f"{item.get('_index', item['question'][:20])}-{len(texts)}-{engine.adapter.dtype}-{max_new_tokens}"
+        path = Path(reuse_dir) / f"q{''.join(c if c.isalnum() or c in '-_' else '_' for c in tag)}.pt"
+        if path.is_file():
+            saved = torch.load(path, weights_only=False)
+            keys = [KVKey(engine.namespace, make_chunk(t, engine.tokenizer).chunk_id) for t in texts]
+            for key, kv in zip(keys, saved["kvs"]):
+                engine.kv_store.put(key, kv.to(engine.adapter.device))
+            return keys, saved["kvs"], _Answer(saved["text"], saved["logits"])
+    ids = engine.ingest(texts, show_progress=False)
+    keys = [KVKey(engine.namespace, cid) for cid in ids]
+    originals = [engine.kv_store.get(k) for k in keys]
+    full = engine.generate(texts, item["question"], method="full_prefill", max_new_tokens=max_new_tokens)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"kvs": [kv.to("cpu") for kv in originals], "text": full.text, "logits": full.logits.cpu()}, path)
+    return keys, originals, _Answer(full.text, full.logits)
 
 
 def _engine_over(engine, store):
@@ -283,6 +327,128 @@ def quality_rows(results: dict[str, dict[str, list[float]]], baseline: str = "fp
     return rows
 
 
+# The dev set split in two (issue 30): a default is chosen on one half and confirmed on the other.
+HALVES = {"choose": (0, 25), "report": (25, 50)}
+
+TAIL_HEADER = ("| KV passed through | vs fp16 | Δ KL mean | median | p90 | max (question) | agreement F1 | "
+               "Δ agreement | F1 vs fp16 store's answer |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def tail_stats(results: dict[str, dict[str, list]], baseline: str = "fp16") -> dict[str, dict[str, float]]:
+    """Per setting: the distribution over questions of ΔKL (its first-token KL minus the `baseline` store's on the
+    same question): mean, median, p90 (nearest rank), max and the question it came from; mean agreement F1 with
+    the full prefill and its Δ against the baseline's; mean F1 of its answer against the baseline store's answer."""
+    base = results[baseline]
+    out = {}
+    for label, r in results.items():
+        deltas = [kl - b for kl, b in zip(r["kl"], base["kl"])]
+        worst = max(range(len(deltas)), key=deltas.__getitem__)
+        questions = r.get("question") or [float("nan")] * len(deltas)
+        texts, base_texts = r.get("text"), base.get("text")
+        vs_base = (statistics.fmean(token_f1(t, b) for t, b in zip(texts, base_texts))
+                   if texts and base_texts else float("nan"))
+        bpt, base_bpt = statistics.fmean(r["bpt"]), statistics.fmean(base["bpt"])
+        out[label] = {"ratio": base_bpt / bpt if bpt == bpt else float("nan"), "mean": statistics.fmean(deltas),
+                      "median": statistics.median(deltas), "p90": percentile(deltas, 0.9), "max": deltas[worst],
+                      "worst_question": questions[worst], "agreement": statistics.fmean(r["agreement"]),
+                      "d_agreement": statistics.fmean(r["agreement"]) - statistics.fmean(base["agreement"]),
+                      "f1_vs_base": vs_base}
+    return out
+
+
+def tail_rows(results: dict[str, dict[str, list]], baseline: str = "fp16") -> list[str]:
+    """Markdown rows of tail_stats (see TAIL_HEADER)."""
+    rows = []
+    for label, t in tail_stats(results, baseline).items():
+        ratio = f"{t['ratio']:.2f}×" if t["ratio"] == t["ratio"] else "—"
+        rows.append(f"| {label} | {ratio} | {t['mean']:+.4f} | {t['median']:+.4f} | {t['p90']:+.4f} | "
+                    f"{t['max']:+.4f} (q{t['worst_question']:.0f}) | {t['agreement']:.3f} | "
+                    f"{t['d_agreement']:+.3f} | {t['f1_vs_base']:.3f} |")
+    return rows
+
+
+def _mixed(original: ChunkKV, coded: ChunkKV, *, k_layers=(), v_layers=(), exact_rows: int = 0) -> ChunkKV:
+    """`original` with the coded keys of `k_layers` and coded values of `v_layers` (the rest exact); the first
+    `exact_rows` rows of every coded layer are put back exact."""
+    def pick(orig: torch.Tensor, cod: torch.Tensor, coded_here: bool) -> torch.Tensor:
+        if not coded_here:
+            return orig
+        if exact_rows:
+            cod = cod.clone()
+            cod[:exact_rows] = orig[:exact_rows].to(cod.dtype)
+        return cod
+    keys = tuple(pick(o, c, i in k_layers) for i, (o, c) in enumerate(zip(original.keys, coded.keys)))
+    values = tuple(pick(o, c, i in v_layers) for i, (o, c) in enumerate(zip(original.values, coded.values)))
+    return ChunkKV(keys, values, original.token_ids, original.positions_start)
+
+
+def diagnose(engine, item: dict, setting: tuple[str, dict[str, Any]], *, num_chunks: int = 6,
+             recompute_ratio: float = 0.15, per_layer: bool = False, max_new_tokens: int = 32,
+             reuse_dir: str | Path | None = None) -> dict[str, tuple[float, float]]:
+    """Where one question's KL increase under a codec comes from: per part, (first-token KL(full prefill ‖
+    cacheblend) with only that part of the KV coded (the rest exact, in the engine's dtype) minus the KL with nothing
+    coded; KL(cacheblend over exact KV ‖ cacheblend with the part coded), the codec's own distortion, which does
+    not move by ±0.03 under tiny KV changes as the first does).
+
+    Parts: everything; keys only; values only; keys / values of each layer third; each chunk position alone;
+    everything but the first 1 / 4 rows of each chunk (attention-sink-like tokens); with `per_layer`, the keys /
+    values of each single layer.
+    """
+    dtype = engine.adapter.dtype
+    texts = passages_of(item, num_chunks)
+    keys, originals, answer = _question_state(engine, item, texts, max_new_tokens, reuse_dir)
+    segs = [k for k in engine.kv_store.keys() if k.chunk_id.startswith("seg-")]
+    if not segs:
+        engine.prefill(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio)
+        segs = [k for k in engine.kv_store.keys() if k.chunk_id.startswith("seg-")]
+    num_chunks_coded = len(keys)
+    keys, originals = keys + segs, originals + [engine.kv_store.get(k) for k in segs]
+    full = answer.logits
+    codec = get_codec(*setting[:1], **setting[1])
+    coded = [_round_trip(codec, kv, dtype, with_bytes=False).kv for kv in originals]
+    num_layers = originals[0].num_layers
+    everything = set(range(num_layers))
+
+    def logits(kvs: list[ChunkKV]) -> torch.Tensor:
+        for key, kv in zip(keys, kvs):
+            engine.kv_store.put(key, kv.to(engine.adapter.device))
+        return engine.prefill(texts, item["question"], method="cacheblend", recompute_ratio=recompute_ratio).logits
+
+    uncoded = logits(originals)
+    base = first_token_kl(full, uncoded)
+    parts: dict[str, list[ChunkKV]] = {
+        "all": coded,
+        "K only": [_mixed(o, c, k_layers=everything) for o, c in zip(originals, coded)],
+        "V only": [_mixed(o, c, v_layers=everything) for o, c in zip(originals, coded)],
+        "all but first row of each chunk": [_mixed(o, c, k_layers=everything, v_layers=everything, exact_rows=1)
+                                            for o, c in zip(originals, coded)],
+        "all but first 4 rows of each chunk": [_mixed(o, c, k_layers=everything, v_layers=everything, exact_rows=4)
+                                               for o, c in zip(originals, coded)],
+    }
+    for g, name in enumerate(("0-1/3", "1/3-2/3", "2/3-1")):
+        band = {i for i in range(num_layers) if min(i * 3 // num_layers, 2) == g}
+        parts[f"K layers {name}"] = [_mixed(o, c, k_layers=band) for o, c in zip(originals, coded)]
+        parts[f"V layers {name}"] = [_mixed(o, c, v_layers=band) for o, c in zip(originals, coded)]
+    parts["lead-in only"] = [c if i >= num_chunks_coded else o for i, (o, c) in enumerate(zip(originals, coded))]
+    parts["lead-in only, its first row exact"] = [
+        _mixed(o, c, k_layers=everything, v_layers=everything, exact_rows=1) if i >= num_chunks_coded else o
+        for i, (o, c) in enumerate(zip(originals, coded))]
+    parts["chunks only"] = [c if i < num_chunks_coded else o for i, (o, c) in enumerate(zip(originals, coded))]
+    for j in range(num_chunks_coded):
+        parts[f"chunk {j} only"] = [c if i == j else o for i, (o, c) in enumerate(zip(originals, coded))]
+    if per_layer:
+        for layer in range(num_layers):
+            parts[f"K layer {layer}"] = [_mixed(o, c, k_layers={layer}) for o, c in zip(originals, coded)]
+            parts[f"V layer {layer}"] = [_mixed(o, c, v_layers={layer}) for o, c in zip(originals, coded)]
+    out = {"kl (nothing coded)": (base, 0.0)}
+    for label, kvs in parts.items():
+        coded_logits = logits(kvs)
+        out[label] = (first_token_kl(full, coded_logits) - base, first_token_kl(uncoded, coded_logits))
+    for key, kv in zip(keys, originals):
+        engine.kv_store.put(key, kv)
+    return out
+
+
 def print_combined(paths: list[str]) -> None:
     """One quality table from the per-question results of several runs (same settings, disjoint questions)."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
@@ -300,6 +466,8 @@ def print_combined(paths: list[str]) -> None:
                                                      if left_out else ""))
     print(QUALITY_HEADER)
     print("\n".join(quality_rows(merged)))
+    if "fp16" in merged:
+        print(f"\nper question, vs the fp16 store\n{TAIL_HEADER}\n" + "\n".join(tail_rows(merged)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -310,6 +478,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--questions", type=int, default=2, help="questions whose passages give the KV to measure")
     parser.add_argument("--kl-questions", type=int, default=20, help="questions for the quality table")
     parser.add_argument("--skip-questions", type=int, default=0, help="start the quality table after this many")
+    parser.add_argument("--half", choices=sorted(HALVES), default=None,
+                        help="the quality table over one half of the dev set: 'choose' (questions 0-24, where "
+                             "defaults are picked) or 'report' (25-49, held back to confirm them); overrides "
+                             "--skip-questions/--kl-questions")
+    parser.add_argument("--diagnose", type=int, nargs="+", metavar="Q", default=None,
+                        help="for these question indices, the first-token KL increase with only parts of the KV "
+                             "coded by the first --setting (layers, K/V, chunk position, first rows); then exit")
+    parser.add_argument("--diagnose-layers", action="store_true", help="--diagnose each single layer's K and V too")
+    parser.add_argument("--reuse", metavar="DIR", default=None,
+                        help="keep each question's chunk KV and full-prefill answer in DIR and reuse them in later "
+                             "runs (same model, dtype, chunks and --max-new-tokens)")
+    parser.add_argument("--exact-lead-in", action="store_true",
+                        help="code only the chunks, leaving the stored lead-in segment exact (the bench before issue "
+                             "30; a store built with kv_codec= codes the lead-in too)")
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--setting", action="append", metavar="NAME[:K=V;K=V]", type=parse_setting,
@@ -337,6 +519,9 @@ def main(argv: list[str] | None = None) -> None:
         print_combined(args.combine)
         return
     settings = args.setting or DEFAULT_SETTINGS
+    if args.half:
+        args.skip_questions, end = HALVES[args.half]
+        args.kl_questions = end - args.skip_questions
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -346,7 +531,18 @@ def main(argv: list[str] | None = None) -> None:
     if path is None:
         raise SystemExit("MuSiQue data not found; set $CACHEBLEND_RAG_MUSIQUE")
     engine = CacheBlendEngine.from_pretrained(args.model, None, device="cpu", dtype=args.dtype)
-    items = load_dataset(path, max(args.questions, args.skip_questions + args.kl_questions))
+    items = load_dataset(path, max(args.questions, args.skip_questions + args.kl_questions,
+                                   1 + max(args.diagnose or [0])))
+    for i, item in enumerate(items):
+        item["_index"] = i
+    if args.diagnose:
+        for q in args.diagnose:
+            parts = diagnose(engine, items[q], settings[0], num_chunks=args.chunks, per_layer=args.diagnose_layers,
+                             max_new_tokens=args.max_new_tokens, reuse_dir=args.reuse)
+            print(f"\nquestion {q}, {setting_label(*settings[0])}, {args.dtype}: KL increase with only this part "
+                  "coded\n| part | Δ KL vs full prefill | KL vs uncoded |\n|---|---|---|")
+            print("\n".join(f"| {k} | {d:+.4f} | {u:.4f} |" for k, (d, u) in parts.items()), flush=True)
+        return
     if not args.no_sizes:
         kvs = chunk_kvs(engine, [t for item in items[: args.questions] for t in passages_of(item, args.chunks)])
         print(f"{len(kvs)} chunks, {sum(kv.num_tokens for kv in kvs)} tokens, {args.dtype} "
@@ -399,11 +595,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\n(after {done} questions)\n{QUALITY_HEADER}\n" + "\n".join(quality_rows(results)), flush=True)
 
     results = codec_quality(engine, chosen, settings, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
-                            on_question=progress, with_bytes=not args.no_bytes)
+                            on_question=progress, with_bytes=not args.no_bytes, reuse_dir=args.reuse,
+                            code_segments=not args.exact_lead_in)
     print(f"\nvs full prefill, cacheblend@0.15, {len(chosen)} questions × {args.chunks} passages, {args.dtype}, "
           f"greedy {args.max_new_tokens} tokens")
     print(QUALITY_HEADER)
     print("\n".join(quality_rows(results)), flush=True)
+    if "fp16" in results:
+        print(f"\nper question, vs the fp16 store ({args.dtype})\n{TAIL_HEADER}\n" + "\n".join(tail_rows(results)),
+              flush=True)
 
 
 if __name__ == "__main__":

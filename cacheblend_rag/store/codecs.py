@@ -14,8 +14,8 @@ Codecs (bytes per token for SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64):
 
     fp16 / bf16 / fp32   raw tensors                                   23,040 B (fp16)
     int8                 absmax int8, per-token steps (fp16)            11,880 B  (1.94x)
-    cachegen             CacheGen: anchors, layer-grouped bits, ANS      4,502 B  (5.1x; 600-token chunks,
-                         coding (see CacheGenCodec)                              ~2 kB fixed per layer)
+    cachegen             CacheGen: first row exact, anchors, layer-      4,533 B  (5.08x; 600-token chunks,
+                         grouped bits, ANS coding (see CacheGenCodec)            ~2 kB fixed per layer)
 
 `python -m cacheblend_rag.store.codecs` measures them on real KV (bytes/token, error per layer
 group, encode/decode MB/s, a size-quality sweep).
@@ -186,6 +186,8 @@ def _get(tensors: LayerTensors, name: str, dtypes: tuple[torch.dtype, ...], shap
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:  # memoryview cannot cast a view with a zero in its shape
+        return memoryview(b"")
     return memoryview(t.detach().cpu().contiguous().view(torch.uint8).numpy()).cast("B")
 
 
@@ -393,18 +395,26 @@ class CacheGenCodec:
        step = absmax / levels_of(bits) (2**(bits-1) - 1; bits may be half-integers) per channel
        (`*_axis="channel"`, over the chunk's tokens) or per token and head (`"token"`), stored in fp16
        rounded up; |error| <= step / 2.
+    Before step 1, the first `exact_rows` rows (default 1) are taken out and stored as they are (fp16, or the
+    input's dtype when it is fp16/bf16): in the stored lead-in segment (position 0) the first row is the
+    attention sink, whose quantization error alone moved the first-token KL by +0.03-0.11 on MuSiQue questions
+    (issue 30, docs/benchmarks.md "CacheGen's tail"); its values would also set the per-channel steps of every
+    other row. In a chunk the first row is an ordinary token and costs ~38 B/token of a 600-token chunk.
+
     4. Entropy-coded: the symbols of each (layer, K|V, KV head) share one categorical model whose
        symbol counts are stored in the payload (uint16), and all streams of a layer go through one
        `constriction` ANS coder (version 2; version 1 used its range coder, which decodes ~20 % slower
-       for the same bytes: version-1 entries are a miss and get recomputed).
+       for the same bytes: version-1 entries are a miss and get recomputed). Version 3 adds the exact rows
+       (`k_exact`/`v_exact`, a 9th meta entry); version-2 entries are refused by the stores, a miss.
 
-    Stored per layer: `meta` (int32 shape, settings and payload words), `k_anchor`/`v_anchor`, `k_step`/`v_step`,
+    Stored per layer: `meta` (int32 shape, settings, payload words, exact rows), `k_exact`/`v_exact`,
+    `k_anchor`/`v_anchor`, `k_step`/`v_step`,
     `tables` (uint16 counts), `payload` (uint8 ANS words) and `crc` (int64 crc32 of the other
     tensors, then of the decoded symbols).
     """
 
     name = "cachegen"
-    version = "2"
+    version = "3"
 
     def __init__(
         self,
@@ -414,6 +424,9 @@ class CacheGenCodec:
         key_bits: Any = (5.5, 4.5, 4.5),
         value_bits: Any = (3.5, 3, 3),
         group_size: Any = 0,
+        # the first row of every entry stored as it is (issue 30): in the lead-in segment it is the attention
+        # sink, whose error alone gave +0.03-0.11 first-token KL; it also set every other row's per-channel step
+        exact_rows: Any = 1,
         key_axis: str = "channel",
         value_axis: str = "channel",
         checksum: Any = True,
@@ -421,6 +434,7 @@ class CacheGenCodec:
         self.key_bits = _bits_param(key_bits, "key_bits")
         self.value_bits = _bits_param(value_bits, "value_bits")
         self.group_size = _int_param(group_size, "group_size", 0, 1 << 30)
+        self.exact_rows = _int_param(exact_rows, "exact_rows", 0, 1 << 16)
         self.key_axis = _axis_param(key_axis, "key_axis")
         self.value_axis = _axis_param(value_axis, "value_axis")
         self.checksum = _bool_param(checksum, "checksum")
@@ -432,6 +446,7 @@ class CacheGenCodec:
             "key_bits": ",".join(map(str, self.key_bits)),
             "value_bits": ",".join(map(str, self.value_bits)),
             "group_size": str(self.group_size),
+            "exact_rows": str(self.exact_rows),
             "key_axis": self.key_axis,
             "value_axis": self.value_axis,
             "checksum": str(int(self.checksum)),
@@ -441,6 +456,19 @@ class CacheGenCodec:
         """(key bits, value bits) of a layer."""
         return (self.key_bits[_layer_group(layer, num_layers, len(self.key_bits))],
                 self.value_bits[_layer_group(layer, num_layers, len(self.value_bits))])
+
+    def num_exact(self, num_tokens: int) -> int:
+        """Leading rows of a chunk kept exact: `exact_rows`, but at least one row is always quantized."""
+        return min(self.exact_rows, num_tokens - 1)
+
+    @staticmethod
+    def _exact(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Kept rows in the input's dtype when it is fp16/bf16 (bit-exact), else fp16 (the fp16 store's rounding),
+        or float32 where fp16 would overflow."""
+        if like.dtype in (torch.float16, torch.bfloat16):
+            return x.detach().to("cpu", like.dtype).contiguous()
+        half = x.to(torch.float16)
+        return (half if bool(torch.isfinite(half).all()) else x.float()).contiguous()
 
     def _num_groups(self, num_tokens: int) -> int:
         g = self.group_size or num_tokens
@@ -479,13 +507,18 @@ class CacheGenCodec:
         """
         k, v = _check_input(keys, values)
         kbits, vbits = self.bits_for(layer, num_layers)
-        gidx = self._group_index(k.shape[0])
+        num_exact = self.num_exact(k.shape[0])
+        gidx = self._group_index(k.shape[0] - num_exact)
         counts_per_group = torch.bincount(gidx).to(torch.float32).view(-1, 1, 1)
         out = []
-        for name, x, bits, axis in (("k", k, kbits, self.key_axis), ("v", v, vbits, self.value_axis)):
+        specs = (("k", k, keys, kbits, self.key_axis), ("v", v, values, vbits, self.value_axis))
+        for name, x, raw, bits, axis in specs:
             _require_finite(x, "keys" if name == "k" else "values", self.name)
-            anchor, step, q = self._quantize(x, bits, axis, gidx, counts_per_group)
-            out.append(self._dequantize(q, step.float(), anchor, gidx).to(dtype))
+            anchor, step, q = self._quantize(x[num_exact:], bits, axis, gidx, counts_per_group)
+            body = self._dequantize(q, step.float(), anchor, gidx)
+            if num_exact:
+                body = torch.cat([self._exact(raw[:num_exact], raw).float(), body])
+            out.append(body.to(dtype))
         return out[0], out[1]
 
     def encode_layer(self, keys: torch.Tensor, values: torch.Tensor, layer: int, num_layers: int) -> LayerTensors:
@@ -495,19 +528,24 @@ class CacheGenCodec:
         k, v = _check_input(keys, values)
         num_tokens, num_kv_heads = k.shape[:2]
         kbits, vbits = self.bits_for(layer, num_layers)
-        gidx = self._group_index(num_tokens)
+        num_exact = self.num_exact(num_tokens)
+        gidx = self._group_index(num_tokens - num_exact)
         counts_per_group = torch.bincount(gidx).to(torch.float32).view(-1, 1, 1)
         out: LayerTensors = {"meta": torch.tensor(
-            [num_tokens, num_kv_heads, k.shape[2], v.shape[2], self.group_size, levels_of(kbits), levels_of(vbits), 0],
-            dtype=torch.int32)}
+            [num_tokens, num_kv_heads, k.shape[2], v.shape[2], self.group_size, levels_of(kbits), levels_of(vbits), 0,
+             num_exact], dtype=torch.int32)}
         tables: list[np.ndarray] = []
         streams: list[tuple[np.ndarray, np.ndarray]] = []  # (symbols shifted to >= 0, counts)
         sym_crc = 0
         encoder = self._cs.stream.stack.AnsCoder()
-        for name, x, bits, axis in (("k", k, kbits, self.key_axis), ("v", v, vbits, self.value_axis)):
+        specs = (("k", k, keys, kbits, self.key_axis), ("v", v, values, vbits, self.value_axis))
+        for name, x, raw, bits, axis in specs:
             _require_finite(x, "keys" if name == "k" else "values", self.name)
             levels = levels_of(bits)
-            anchor, step, q = self._quantize(x, bits, axis, gidx, counts_per_group)
+            # the leading rows (attention-sink-like: the chunk's own first tokens) are stored as they are and
+            # left out of the anchors and steps, whose range they would otherwise set for every other row
+            out[f"{name}_exact"] = self._exact(raw[:num_exact], raw)
+            anchor, step, q = self._quantize(x[num_exact:], bits, axis, gidx, counts_per_group)
             sym_crc = zlib.crc32(_bytes_of(q), sym_crc)
             out[f"{name}_anchor"], out[f"{name}_step"] = anchor.contiguous(), step
             # one head-major int32 copy of every head's symbols (shifted to >= 0), not a strided copy per head
@@ -534,20 +572,22 @@ class CacheGenCodec:
                      v_head_dim: int, layer: int, num_layers: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """ANS-decode the symbols, dequantize and add the anchors; (keys, values) in `dtype`."""
         _check_decode_args(num_tokens, num_kv_heads, head_dim, v_head_dim, layer, num_layers, dtype)
-        _verify(tensors, self.checksum, {"meta", "k_anchor", "v_anchor", "k_step", "v_step", "tables", "payload"},
-                crc_len=2)
+        _verify(tensors, self.checksum, {"meta", "k_anchor", "v_anchor", "k_step", "v_step", "tables", "payload",
+                                         "k_exact", "v_exact"}, crc_len=2)
         crc = tensors["crc"] if self.checksum else None
         kbits, vbits = self.bits_for(layer, num_layers)
         payload = _get(tensors, "payload", (torch.uint8,), None)
-        meta = _get(tensors, "meta", (torch.int32,), (8,)).tolist()
+        meta = _get(tensors, "meta", (torch.int32,), (9,)).tolist()
+        num_exact = self.num_exact(num_tokens)
         want = [num_tokens, num_kv_heads, head_dim, v_head_dim, self.group_size, levels_of(kbits), levels_of(vbits),
-                payload.numel() // 4]
+                payload.numel() // 4, num_exact]
         if meta != want or payload.numel() % 4:
             raise CodecError(f"layer payload was encoded for (tokens, heads, head_dim, v_head_dim, group_size, "
-                             f"key levels, value levels, words) = {meta}; the header and payload say {want} "
-                             f"({payload.numel()} payload bytes)")
-        num_groups = self._num_groups(num_tokens)
-        gidx = self._group_index(num_tokens)
+                             f"key levels, value levels, words, exact rows) = {meta}; the header and payload say "
+                             f"{want} ({payload.numel()} payload bytes)")
+        num_rows = num_tokens - num_exact  # quantized rows
+        num_groups = self._num_groups(num_rows)
+        gidx = self._group_index(num_rows)
         specs = (("k", head_dim, kbits, self.key_axis), ("v", v_head_dim, vbits, self.value_axis))
         table_len = sum(num_kv_heads * (2 * levels_of(b) + 1) for _, _, b, _ in specs)
         tables = _get(tensors, "tables", (torch.uint16,), (table_len,)).numpy()
@@ -563,23 +603,30 @@ class CacheGenCodec:
             if not bool(torch.isfinite(anchor).all()):
                 raise CodecError(f"tensor {name}_anchor holds inf/nan")
             step = _check_steps(_get(tensors, f"{name}_step", (torch.float16, torch.float32),
-                                     _step_shape(axis, num_tokens, num_kv_heads, dim)), f"{name}_step")
+                                     _step_shape(axis, num_rows, num_kv_heads, dim)), f"{name}_step")
+            exact = tensors[f"{name}_exact"]
+            if (not isinstance(exact, torch.Tensor) or exact.dtype not in _FLOAT_DTYPES
+                    or tuple(exact.shape) != (num_exact, num_kv_heads, dim) or not bool(torch.isfinite(exact).all())):
+                got = f"{getattr(exact, 'dtype', type(exact).__name__)} {tuple(getattr(exact, 'shape', ()))}"
+                raise CodecError(f"tensor {name}_exact must be ({num_exact}, {num_kv_heads}, {dim}) finite floats, "
+                                 f"got {got}")
             # symbols land in uint8 (alphabets are at most 255 wide); subtracting `levels` wraps modulo 256,
             # so the bytes read as int8 are the signed symbols without another int32 pass
-            sym = np.empty((num_kv_heads, num_tokens * dim), dtype=np.uint8)
+            sym = np.empty((num_kv_heads, num_rows * dim), dtype=np.uint8)
             for h in range(num_kv_heads):
                 counts = tables[pos:pos + 2 * levels + 1]
                 pos += 2 * levels + 1
                 if not counts.any():
                     raise CodecError(f"symbol table of {name} head {h} is empty")
                 try:
-                    sym[h] = decoder.decode(self._model(counts), num_tokens * dim)
+                    sym[h] = decoder.decode(self._model(counts), num_rows * dim)
                 except Exception as e:  # constriction raises on exhausted or invalid streams
                     raise CodecError(f"entropy decoding {name} head {h} failed: {e}") from e
             sym -= np.uint8(levels)
-            q = torch.from_numpy(sym.view(np.int8)).view(num_kv_heads, num_tokens, dim).transpose(0, 1).contiguous()
+            q = torch.from_numpy(sym.view(np.int8)).view(num_kv_heads, num_rows, dim).transpose(0, 1).contiguous()
             sym_crc = zlib.crc32(_bytes_of(q), sym_crc)
-            out.append(self._dequantize(q, step, anchor, gidx).to(dtype))
+            body = self._dequantize(q, step, anchor, gidx)
+            out.append((torch.cat([exact.cpu().float(), body]) if num_exact else body).to(dtype))
         if not decoder.is_empty():  # every word is consumed by exactly the symbols it was encoded from
             raise CodecError("the layer's ANS payload holds more data than its symbols: it is corrupt")
         if crc is not None and int(crc[1]) != sym_crc:
