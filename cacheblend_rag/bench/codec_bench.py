@@ -530,7 +530,8 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_dataset(None)
     if path is None:
         raise SystemExit("MuSiQue data not found; set $CACHEBLEND_RAG_MUSIQUE")
-    engine = CacheBlendEngine.from_pretrained(args.model, None, device="cpu", dtype=args.dtype)
+    engine = CacheBlendEngine.from_pretrained(args.model, None, device="cpu", dtype=args.dtype,
+                                              prefix_reuse=False)
     items = load_dataset(path, max(args.questions, args.skip_questions + args.kl_questions,
                                    1 + max(args.diagnose or [0])))
     for i, item in enumerate(items):

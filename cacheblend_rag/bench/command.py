@@ -176,8 +176,11 @@ def _engine(args: argparse.Namespace, kv_store: str | None):
         import torch
 
         torch.set_num_threads(args.threads)
+    # Methods are compared on the same prompts: a stored prefix of one method's request would hand the next its KV
+    # exactly. Only --conversation measures stored prefixes (its own arm without them included).
     return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
-                                            home=args.home, lead_in=args.lead_in)
+                                            home=args.home, lead_in=args.lead_in,
+                                            prefix_reuse=args.conversation)
 
 
 def _print_and_write(args: argparse.Namespace, name: str, header: str, table: str, result: dict) -> None:

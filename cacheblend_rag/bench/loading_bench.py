@@ -32,13 +32,15 @@ def run(model, tokenizer, items: list[dict], kv_root: str | Path, *, num_chunks:
     ratios to the memory tier, and the profiles the loading controller used.
     """
     root = Path(kv_root)
-    base = CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), lead_in=lead_in, home=home)
+    # no stored prefixes: each engine must fuse the same prompts as the others, not reuse its own last request
+    same = dict(lead_in=lead_in, home=home, prefix_reuse=False)
+    base = CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), **same)
     engines = {
-        "memory": CacheBlendEngine(model, tokenizer, kv_store=MemoryStore(None), lead_in=lead_in, home=home),
-        "disk, pipelined (depth 2)": CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), lead_in=lead_in,
-                                                      prefetch_depth=2, home=home),
-        "disk, on demand (depth 0)": CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), lead_in=lead_in,
-                                                      prefetch_depth=0, home=home),
+        "memory": CacheBlendEngine(model, tokenizer, kv_store=MemoryStore(None), **same),
+        "disk, pipelined (depth 2)": CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), prefetch_depth=2,
+                                                      **same),
+        "disk, on demand (depth 0)": CacheBlendEngine(model, tokenizer, kv_store=DiskStore(root), prefetch_depth=0,
+                                                      **same),
     }
     auto_engines = {"memory": engines["memory"], "disk": engines["disk, pipelined (depth 2)"]}
     for engine in auto_engines.values():

@@ -187,7 +187,8 @@ def run(model, tokenizer, items: list[dict], specs: list[MethodSpec], *, mode: s
     passages = [passages_of(item, None) for item in items]
     trace = make_trace([len(p) for p in passages], repeats, k, seed)
     # Unbounded memory stores: the trace measures recompute, not capacity (warm lanes share the same tensors).
-    lanes = [_Lane(s, CacheBlendEngine(model, tokenizer, MemoryStore(None), lead_in=lead_in)) for s in specs]
+    lanes = [_Lane(s, CacheBlendEngine(model, tokenizer, MemoryStore(None), lead_in=lead_in, prefix_reuse=False))
+             for s in specs]
     if mode in ("warm", "neighbors"):  # every passage precomputed in isolation, once, in every lane's store
         first = lanes[0].engine
         # only the passages the trace asks for: the rest would never be read (same results, less ingestion)
