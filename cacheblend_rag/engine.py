@@ -126,7 +126,7 @@ class CacheBlendEngine:
         self.lead_in = lead_in
         if prefetch_depth is None:
             # A prefetch thread hides loads behind GPU compute; on a CPU it steals cores from the layers
-            # (bf16 on 2 cores, cold disk vs memory tier: 1.57× TTFT pipelined vs 1.32× on demand, docs/benchmarks.md).
+            # (bf16 on 2 cores, cold disk vs memory tier: 1.57× TTFT pipelined vs 1.32× on demand, docs/benchmarks/record.md).
             prefetch_depth = 2 if self.adapter.device.type == "cuda" else 0
         if prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be ≥ 0, got {prefetch_depth}")

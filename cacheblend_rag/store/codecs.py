@@ -398,7 +398,7 @@ class CacheGenCodec:
     Before step 1, the first `exact_rows` rows (default 1) are taken out and stored as they are (fp16, or the
     input's dtype when it is fp16/bf16): in the stored lead-in segment (position 0) the first row is the
     attention sink, whose quantization error alone moved the first-token KL by +0.03-0.11 on MuSiQue questions
-    (issue 30, docs/benchmarks.md "CacheGen's tail"); its values would also set the per-channel steps of every
+    (issue 30, docs/benchmarks/record.md "CacheGen's tail"); its values would also set the per-channel steps of every
     other row. In a chunk the first row is an ordinary token and costs ~38 B/token of a 600-token chunk.
 
     4. Entropy-coded: the symbols of each (layer, K|V, KV head) share one categorical model whose
@@ -420,7 +420,7 @@ class CacheGenCodec:
         self,
         *,
         # keys get the bits: their error moved the first-token KL 5-10x more than the values' at equal bits
-        # (issue 16 sweep, docs/benchmarks.md "KV codecs"); 5.1x smaller than fp16, as the old 6/4/4 + 4/3/3
+        # (issue 16 sweep, docs/benchmarks/record.md "KV codecs"); 5.1x smaller than fp16, as the old 6/4/4 + 4/3/3
         key_bits: Any = (5.5, 4.5, 4.5),
         value_bits: Any = (3.5, 3, 3),
         group_size: Any = 0,
