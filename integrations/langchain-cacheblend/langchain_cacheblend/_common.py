@@ -8,15 +8,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.fuse.prefill import SUMMARY_KEYS
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import POLICIES, make_policy, option_names
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
 
-STATS_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed",
-              "recompute_ratio_effective", "ttft_s", "num_generated", "recompute_ratio")
-"""Keys of the engine's stats copied into LangChain metadata."""
 
 CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed")
 """Keyword arguments every call accepts (besides `stop`)."""
@@ -67,7 +65,7 @@ def call_settings(defaults: Any, max_tokens: int, stop: list[str] | None, kwargs
 
 def stats_info(stats: dict) -> dict[str, Any]:
     """The package's stats of one request, as put in LangChain metadata."""
-    info = {k: stats[k] for k in STATS_KEYS if k in stats}
+    info = {k: stats[k] for k in SUMMARY_KEYS if k in stats}
     info["recomputed_share"] = stats.get("recompute_ratio_effective", 0.0)
     hits = list(stats.get("chunk_hits", ()))
     ids = hits + [cid for cid in stats.get("chunk_misses", ()) if cid not in hits]

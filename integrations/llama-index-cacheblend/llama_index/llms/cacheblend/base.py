@@ -16,6 +16,7 @@ from typing import Any
 
 from cacheblend_rag import tools as generic_tools
 from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.fuse.prefill import SUMMARY_KEYS
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import POLICIES, make_policy, option_names
 from cacheblend_rag.ingest.chunks import chunk_id, looks_like_chunk_id, normalize_text
@@ -46,8 +47,6 @@ __all__ = ["CacheBlendLLM", "QueryStatsHandler"]
 
 logger = logging.getLogger(__name__)
 
-STATS_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed",
-              "recompute_ratio_effective", "ttft_s", "num_generated", "recompute_ratio")
 CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed",
                  "stop", "do_sample", "chunks", "question", "formatted", "grammar")
 
@@ -187,7 +186,7 @@ def install_query_stats_handler() -> QueryStatsHandler:
 
 
 def _info(stats: dict, chunks: list | None) -> dict[str, Any]:
-    info = {k: stats[k] for k in STATS_KEYS if k in stats}
+    info = {k: stats[k] for k in SUMMARY_KEYS if k in stats}
     info["recomputed_share"] = stats.get("recompute_ratio_effective", 0.0)
     hits = list(stats.get("chunk_hits", ()))
     if chunks is None:
