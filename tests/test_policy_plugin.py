@@ -48,7 +48,8 @@ def plugin():
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer)
+    # no stored prefixes: each call must fuse the chunks again for its own policy to show
+    engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, prefix_reuse=False)
     engine.ingest(TEXTS, show_progress=False)
     return engine
 

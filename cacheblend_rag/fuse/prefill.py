@@ -35,13 +35,13 @@ logger = logging.getLogger(__name__)
 _EXTRA_READ_ATTEMPTS = 3
 
 
-@dataclass
 SUMMARY_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed",
                 "num_prefix_rows", "num_chunk_rows", "recompute_ratio_effective", "ttft_s", "num_generated",
                 "recompute_ratio")
 """The stats the integrations copy into their responses' metadata (LangChain, LlamaIndex)."""
 
 
+@dataclass
 class RequestStats(Mapping):
     """What one request did: rows reused and recomputed, chunk hits, bytes loaded, time per stage.
 
