@@ -80,7 +80,8 @@ def test_auto_dtype_follows_the_hardware():
 @pytest.fixture(scope="module")
 def engine(default_model):
     model, tokenizer = default_model
-    return CacheBlendEngine(model, tokenizer)
+    # the module compares methods on the same prompts: no request may be served from another's stored prefix
+    return CacheBlendEngine(model, tokenizer, prefix_reuse=False)
 
 
 @pytest.fixture(scope="module")

@@ -75,11 +75,13 @@ def stats_info(stats: dict) -> dict[str, Any]:
 
 
 def usage(stats: dict) -> dict[str, Any]:
-    """LangChain `UsageMetadata` from the stats: prompt tokens, generated tokens, tokens read from the KV cache."""
+    """LangChain `UsageMetadata` from the stats: prompt tokens, generated tokens, tokens read from the KV cache
+    (reused chunk rows and exact ones: a stored prefix, the lead-in, as the server's `cached_tokens` counts)."""
     num_in = int(stats.get("num_tokens", 0))
     num_out = int(stats.get("num_generated", 0))
     return {"input_tokens": num_in, "output_tokens": num_out, "total_tokens": num_in + num_out,
-            "input_token_details": {"cache_read": int(stats.get("num_reused", 0))}}
+            "input_token_details": {"cache_read": int(stats.get("num_reused", 0))
+                                    + int(stats.get("num_exact_cached", 0))}}
 
 
 def expand_path(path: str | os.PathLike[str] | None) -> str | None:

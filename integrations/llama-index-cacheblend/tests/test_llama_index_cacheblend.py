@@ -164,7 +164,8 @@ def test_warm_from_index_gives_a_users_chroma_index_hits(folder, li_engine, tmp_
     saved = Settings._llm, Settings._embed_model
     try:
         fresh = CacheBlendEngine(li_engine.model, li_engine.tokenizer, None)  # nothing stored yet
-        Settings.llm, Settings.embed_model = CacheBlendLLM(engine=fresh, max_new_tokens=1), LocalEmbedding()
+        llm = CacheBlendLLM(engine=fresh, max_new_tokens=1, learn_retrieved=False)  # warming alone
+        Settings.llm, Settings.embed_model = llm, LocalEmbedding()
         qe = index.as_query_engine(similarity_top_k=2)
         assert qe.query(QUESTION).metadata["cacheblend"]["chunk_hits"] == []
 
