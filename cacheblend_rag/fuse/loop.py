@@ -50,7 +50,11 @@ class Selection(Protocol):
         Dropped rows still leave their fresh K/V in this layer; rows without cached KV are never dropped.
         """
 
-    # Optional: `report() -> dict` after the loop, merged into the request's stats (e.g. {"guard": {...}}).
+    def report(self) -> dict:
+        """After the loop: what the selection wants in the request's stats (e.g. {"guard": {...}}), or {}."""
+
+    def after_request(self, result: "LoopResult") -> None:
+        """After the first token: keep what the request computed (Cache-Craft stores its variants), or nothing."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 
 from ..ingest.chunks import Chunk
 from .layout import Layout
-from .loop import LayerView, Selection
+from .loop import LayerView, LoopResult, Selection
 
 if TYPE_CHECKING:  # typing only: the cache imports the loop, not the policies
     from ..models.adapter import LlamaFamilyAdapter
@@ -60,3 +60,10 @@ class RowSelection:
     def keep(self, view: LayerView) -> torch.Tensor | None:
         """Keep every active row."""
         return None
+
+    def report(self) -> dict:
+        """Nothing to add to the stats."""
+        return {}
+
+    def after_request(self, result: LoopResult) -> None:
+        """Nothing to keep."""

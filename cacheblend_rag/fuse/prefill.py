@@ -159,9 +159,7 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
     if store_holes:
         store_chunks(cache, holes)
         holes = []
-    after = getattr(run.selection, "after_request", None)
-    if callable(after):  # a policy that keeps what the request computed (Cache-Craft's variants), after TTFT
-        after(run.result)
+    run.selection.after_request(run.result)  # e.g. Cache-Craft keeps its variants, after the first token
     stats = _stats(run, request.chunks, ttft, by_tier)
     return Prefill(run.logits, stats, request.layout.token_ids, run.result.keys, run.result.values,
                    [c.chunk_id for c in request.chunks], holes)
@@ -200,8 +198,7 @@ def _run(cache: ChunkCache, policy: Policy, request: FusionRequest, auto_ratio: 
     check_s = sum(result.layer_s[:selection.full_layers])  # the layers every row went through
     timing = {"kv_load_s": kv_open_s + seq.loader.load_s, "kv_wait_s": seq.loader.wait_s,
               "check_s": check_s, "layers_s": layers_s - check_s}
-    report = selection.report() if callable(getattr(selection, "report", None)) else {}
-    return _Run(seq, result, logits, placed, timing, policy, decision, dict(report or {}), selection)
+    return _Run(seq, result, logits, placed, timing, policy, decision, dict(selection.report()), selection)
 
 
 def _stats(run: _Run, chunks: list[Chunk], ttft: float, by_tier: dict[str, int]) -> RequestStats:
