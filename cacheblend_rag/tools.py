@@ -184,6 +184,12 @@ def render_result(content: str) -> dict[str, str]:
     return {"role": "user", "content": f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"}
 
 
+def may_be_call(text: str) -> bool:
+    """Whether streamed text so far is, or may still become, a call (so a stream holds it back)."""
+    text = text.lstrip()
+    return text.startswith(TOOL_OPEN) or TOOL_OPEN.startswith(text)
+
+
 def parse_tool_calls(text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
     """(plain content, calls) of an answer: a well-formed call to a known tool becomes a ToolCall; anything else
     stays content (a call cut by max_tokens, or text in a format the grammar did not force)."""

@@ -11,7 +11,6 @@ and is cancelled (its stream closed) when the test is done with it.
 from __future__ import annotations
 
 import json
-import select
 import socket
 import threading
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from cacheblend_rag.bench.faults import oversized_upload  # noqa: E402
 from test_serve import ServerProcess, _home  # noqa: E402
 
 MODEL = "tiny-llama-16k"
@@ -69,38 +69,6 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _status(raw: bytes) -> int | None:
-    head = raw.split(b"\r\n", 1)[0].split()
-    return int(head[1]) if len(head) >= 2 and head[0].startswith(b"HTTP/") else None
-
-
-def _upload(port: int, headers: dict[str, str], limit: int) -> tuple[int | None, int, bytes]:
-    """POST a chunked body of up to `limit` bytes, stopping as soon as the server answers: (status or None when it
-    never answered, bytes of body sent, the raw answer)."""
-    chunk = b"x" * 65536
-    frame = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
-    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "localhost", "Content-Type": "application/json",
-                                                 "Transfer-Encoding": "chunked", **headers}.items())
-    sent = 0
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode())
-        try:
-            while sent < limit and not select.select([sock], [], [], 0)[0]:
-                sock.sendall(frame)
-                sent += len(chunk)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server answered and closed: its answer is still to be read
-        except TimeoutError:
-            return None, sent, b""  # it stopped reading without answering
-        if not select.select([sock], [], [], 5)[0]:
-            return None, sent, b""
-        try:
-            raw = sock.recv(65536)
-        except ConnectionResetError:
-            raw = b""
-    return _status(raw), sent, raw
-
-
 def _error(response: httpx.Response) -> dict:
     body = response.json()
     assert set(body) == {"error"} and {"message", "type", "code"} <= set(body["error"]), body
@@ -136,7 +104,7 @@ class Busy:
 @pytest.mark.slow
 def test_no_key_is_answered_401_before_the_body_is_read(server):
     rss_before = _rss_bytes(server.proc.pid)
-    status, sent, raw = _upload(server.port, {}, limit=256 * 1024**2)
+    status, sent, raw = oversized_upload(server.port, {}, limit=256 * 1024**2)
     assert status == 401, (sent, raw[:300])
     assert sent < 64 * 1024**2  # answered while the client was still sending, not after 256 MiB
     assert b"invalid_api_key" in raw and b"connection: close" in raw.lower()
@@ -150,7 +118,7 @@ def test_no_key_is_answered_401_before_the_body_is_read(server):
 @pytest.mark.slow
 def test_a_body_over_the_cap_is_413_and_never_held(server):
     rss_before = _rss_bytes(server.proc.pid)
-    status, sent, raw = _upload(server.port, AUTH, limit=256 * 1024**2)
+    status, sent, raw = oversized_upload(server.port, AUTH, limit=256 * 1024**2)
     assert status == 413, (sent, raw[:300])
     assert sent < 64 * 1024**2
     assert _rss_bytes(server.proc.pid) - rss_before < 64 * 1024**2

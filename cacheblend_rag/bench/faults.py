@@ -303,30 +303,33 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def oversized_upload(port: int, headers: dict[str, str], limit: int = BIG_BODY_BYTES) -> dict:
-    """A chunked POST of up to `limit` bytes to 127.0.0.1:port, stopped as soon as the server answers: its status
-    (None: it never answered) and the body bytes sent by then."""
+def oversized_upload(port: int, headers: dict[str, str], limit: int = BIG_BODY_BYTES
+                     ) -> tuple[int | None, int, bytes]:
+    """A chunked POST of up to `limit` bytes to 127.0.0.1:port, stopped as soon as the server answers: (its status,
+    None when it never answered; the body bytes sent by then; the raw answer)."""
     chunk = b"x" * 65536
     frame = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
     head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": "localhost", "Content-Type": "application/json",
                                                  "Transfer-Encoding": "chunked", **headers}.items())
-    sent, status = 0, None
+    sent = 0
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode())
         try:
             while sent < limit and not select.select([sock], [], [], 0)[0]:
                 sock.sendall(frame)
                 sent += len(chunk)
-            if select.select([sock], [], [], 10)[0]:
-                first = sock.recv(65536).split(b"\r\n", 1)[0].split()
-                status = int(first[1]) if len(first) >= 2 and first[1].isdigit() else None
-        except (OSError, TimeoutError):  # cut off: the answer may still be readable
-            try:
-                first = sock.recv(65536).split(b"\r\n", 1)[0].split()
-                status = int(first[1]) if len(first) >= 2 and first[1].isdigit() else None
-            except OSError:
-                pass
-    return {"status": status, "sent_bytes": sent}
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed: its answer is still to be read
+        except TimeoutError:
+            return None, sent, b""  # it stopped reading without answering
+        if not select.select([sock], [], [], 10)[0]:
+            return None, sent, b""
+        try:
+            raw = sock.recv(65536)
+        except ConnectionResetError:
+            raw = b""
+    first = raw.split(b"\r\n", 1)[0].split()
+    return (int(first[1]) if len(first) >= 2 and first[0].startswith(b"HTTP/") else None), sent, raw
 
 
 def slow_header_flood(ports: list[int], count: int = SLOW_CLIENTS, limit_s: float = SLOW_LIMIT_S) -> dict:
@@ -486,16 +489,15 @@ def run_scenario(name: str, cluster: Cluster, items, num_requests: int, clients:
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
             try:
-                no_key = oversized_upload(target.port, {})
-                with_key = oversized_upload(target.port, {"Authorization": f"Bearer {cluster.api_key}"})
+                no_key = oversized_upload(target.port, {})[:2]
+                with_key = oversized_upload(target.port, {"Authorization": f"Bearer {cluster.api_key}"})[:2]
             finally:
                 sampling.set()
                 sampler.join(10)
             state["events"]["fault_end"] = time.monotonic()
             mib = 1024**2
-            scenario.notes.update(no_key_status=no_key["status"], no_key_sent_mib=round(no_key["sent_bytes"] / mib, 1),
-                                  with_key_status=with_key["status"],
-                                  with_key_sent_mib=round(with_key["sent_bytes"] / mib, 1),
+            scenario.notes.update(no_key_status=no_key[0], no_key_sent_mib=round(no_key[1] / mib, 1),
+                                  with_key_status=with_key[0], with_key_sent_mib=round(with_key[1] / mib, 1),
                                   rss_before_mib=round(rss[0] / mib), rss_peak_mib=round(max(rss) / mib))
     elif name == "slow_headers":
         def fault(state) -> None:

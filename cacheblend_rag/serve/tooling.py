@@ -141,7 +141,7 @@ class CallStream:
             stripped = self.text.lstrip()
             if not stripped:
                 return []
-            if not (stripped.startswith(generic_tools.TOOL_OPEN) or generic_tools.TOOL_OPEN.startswith(stripped)):
+            if not generic_tools.may_be_call(stripped):
                 self.mode = "text"
                 return [{"content": stripped}]
             head = _HEAD.match(self.text)

@@ -119,12 +119,6 @@ def _check_complete(message: BaseMessage) -> BaseMessage:
     return message
 
 
-def _may_be_call(text: str) -> bool:
-    """Whether streamed text so far is, or may still become, a tool call (so it is held back)."""
-    text = text.lstrip()
-    return text.startswith(generic_tools.TOOL_OPEN) or generic_tools.TOOL_OPEN.startswith(text)
-
-
 def _tool_call(call: generic_tools.ToolCall) -> dict[str, Any]:
     """A LangChain ToolCall dict."""
     return {"name": call.name, "args": call.arguments, "id": call.id, "type": "tool_call"}
@@ -294,7 +288,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         stats: dict = {}
         held = ""  # with tools: text that may still become a call is held back until the answer ends
         for piece in self._pieces(engine, chat, settings, stats):
-            if functions and _may_be_call(held + piece):
+            if functions and generic_tools.may_be_call(held + piece):
                 held += piece
                 continue
             piece, held = held + piece, ""

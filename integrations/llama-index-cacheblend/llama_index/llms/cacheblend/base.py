@@ -226,12 +226,6 @@ def _call_kwargs(call: generic_tools.ToolCall) -> dict[str, Any]:
     return {"id": call.id, "name": call.name, "arguments": call.arguments}
 
 
-def _may_be_call(text: str) -> bool:
-    """Whether streamed text so far is, or may still become, a tool call (so it is held back)."""
-    text = text.lstrip()
-    return text.startswith(generic_tools.TOOL_OPEN) or generic_tools.TOOL_OPEN.startswith(text)
-
-
 class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     """A LlamaIndex LLM over a `CacheBlendEngine`; arguments mirror `HuggingFaceLLM`'s main ones.
 
@@ -487,7 +481,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         def gen() -> ChatResponseGen:
             text, held = "", ""
             for piece in pieces:
-                if functions and not text and _may_be_call(held + piece):
+                if functions and not text and generic_tools.may_be_call(held + piece):
                     held += piece
                     continue
                 piece, held = held + piece, ""
