@@ -32,7 +32,7 @@ from .fuse.policies import make_policy
 from .fuse.policy import FusionRequest, Policy
 from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_chunks
 from .fuse.sequence import FusedSequence
-from .ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
+from .ingest.chunks import Chunk, chunk_id, looks_like_chunk_id, make_chunk
 from .ingest.index import ChunkIndex, normalize_prompt_map
 from .ingest.learner import PassageLearner
 from .ingest.neighbors import NEIGHBOR_QUESTION, VARIANT_KINDS, Embed, default_embed, nearest_neighbors
@@ -247,7 +247,13 @@ class CacheBlendEngine:
         """Queue passages a prompt carried (e.g. what a retriever returned) for ingest on a background thread,
         after the answer: the next prompt that carries one reuses its KV, with no warm step. Stored ones are
         skipped when their turn comes; returns how many were queued (`engine.learner.wait()` waits for them)."""
-        return self.learner.submit(texts)
+        fresh = []
+        for text in texts:  # one already stored and indexed is skipped here, not by the worker under the model's lock
+            if isinstance(text, str):
+                cid = chunk_id(text)
+                if not (self.has_kv(cid) and self.index.text(cid) is not None):
+                    fresh.append(text)
+        return self.learner.submit(fresh)
 
     def ingest_variants(self, chunk_ids: Iterable[str], *, k: int = 2, embed: Embed | None = None,
                         show_progress: bool = True) -> int:
