@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .decode.grammar import Grammar
+from .decode.grammar import Grammar, with_json_options
 from .errors import ConfigError
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -103,9 +103,11 @@ def tool_grammar(functions: Sequence[dict[str, Any]], choice: str,
     if choice == "none":
         return None if answer is None else Grammar.json_schema(answer)
     targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
-    call = f'call: "{TOOL_OPEN}" %json {json.dumps(call_schema(targets))} "{TOOL_CLOSE}"'
+    # JSON embedded in Lark gets the same spacing options as a plain schema: without them whitespace is free
+    # inside a call, and SmolLM2 emitted newlines after `"arguments": {` until max_tokens
+    call = f'call: "{TOOL_OPEN}" %json {json.dumps(with_json_options(call_schema(targets)))} "{TOOL_CLOSE}"'
     if choice == "auto" and answer is not None:
-        return Grammar.lark(f"start: call | answer\n{call}\nanswer: %json {json.dumps(answer)}\n")
+        return Grammar.lark(f"start: call | answer\n{call}\nanswer: %json {json.dumps(with_json_options(answer))}\n")
     if choice == "auto":  # plain text may not start with "<", so it can never be a malformed call
         return Grammar.lark(f"start: call | text\n{call}\ntext: /[^<][\\s\\S]*/\n")
     return Grammar.lark(f"start: call\n{call}\n")
@@ -145,9 +147,11 @@ def tools_prompt(functions: Sequence[dict[str, Any]], choice: str) -> str:
     listed = "\n".join(json.dumps(fn) for fn in functions)
     how = (f'To call a tool, answer with only {TOOL_OPEN}{{"name": <tool name>, "arguments": <JSON object>}}'
            f"{TOOL_CLOSE}. A tool's result comes back as {RESULT_OPEN}...{RESULT_CLOSE}.")
-    rule = {"auto": "Call a tool when it helps; otherwise answer in plain text.",
-            "none": "Do not call a tool now; answer in plain text.",
-            "required": "You must call one of the tools now."}.get(choice, f"You must call the tool {choice} now.")
+    # One text for auto, required and a named tool (the grammar enforces which): an agent loop that forces its
+    # first call and leaves the next to the model then keeps the same system text, so each step's prompt starts
+    # with the previous one's and reuses its stored prefix
+    rule = ("Do not call a tool now; answer in plain text." if choice == "none"
+            else "Call a tool when it helps; otherwise answer in plain text.")
     return f"You have these tools:\n<tools>\n{listed}\n</tools>\n{how}\n{rule}"
 
 

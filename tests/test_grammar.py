@@ -81,10 +81,42 @@ def test_batched_advance_masks_each_sequence_with_its_own_grammar(engine):
     assert a.grammar_satisfied and b.grammar_satisfied
 
 
+# Unbounded strings and arrays: a random-weight model never closes them on its own, so only closing within the
+# budget makes its answers complete. Closed objects (as structured output and tool calls make them): in an open
+# one, the keys a closing step can choose are free strings.
+OPEN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "author": {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"}},
+                   "required": ["name", "born"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "summary": {"type": "string"},
+    },
+    "required": ["title", "author", "tags", "summary"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("budget", [32, 48, 96])
+def test_unbounded_fields_close_within_max_tokens(engine, budget):
+    for seed, prompt in enumerate(PROMPTS):
+        out = engine.generate_prompt(prompt, max_new_tokens=budget, grammar=OPEN_SCHEMA, temperature=1.0, seed=seed)
+        jsonschema.validate(json.loads(out.text), OPEN_SCHEMA)
+        assert out.finish_reason == "stop" and out.grammar_satisfied is True
+        assert len(out.token_ids) <= budget
+
+
+def test_closing_starts_only_when_the_budget_is_tight(engine):
+    # with room to spare, the first string runs on past what a closing walk needs (the model is never hurried)
+    out = engine.generate_prompt(PROMPTS[0], max_new_tokens=64, grammar=OPEN_SCHEMA)
+    assert len(json.loads(out.text)["title"]) > 10
+    assert len(out.token_ids) > 40
+
+
 def test_json_object_and_lark_grammars(engine):
-    # any JSON object: its keys are free strings a random model never closes, so only the start is checked here
-    out = engine.generate_prompt(PROMPTS[0], max_new_tokens=4, grammar=Grammar.json_object())
-    assert out.text.startswith("{")
+    out = engine.generate_prompt(PROMPTS[0], max_new_tokens=24, grammar=Grammar.json_object())
+    assert isinstance(json.loads(out.text), dict) and out.grammar_satisfied
     out = engine.generate_prompt(PROMPTS[0], max_new_tokens=8, grammar=Grammar.lark('start: "yes" | "no"'))
     assert out.text in ("yes", "no") and out.grammar_satisfied
 

@@ -15,6 +15,7 @@
     cacheblend-rag bench --frames --limit 20 --dtype bfloat16                # KL vs the model's own forward, per frame
     cacheblend-rag bench --faq --limit 40 --k 4 --max-new-tokens 16         # answer accuracy on made-up FAQ chunks
     cacheblend-rag bench --conversation --limit 10 --dtype bfloat16          # 4-turn chats: stored prefixes vs not
+    cacheblend-rag bench --agent --limit 10 --dtype bfloat16                 # retrieval agent: steps, constrained cost
 
 The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
 folder. Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under
@@ -100,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     modes.add_argument("--conversation", action="store_true",
                        help="4-turn chats over each question's passages: per turn TTFT with stored prefixes, without "
                             "them, and full prefill; first-token KL vs full prefill (writes conversation.md)")
+    modes.add_argument("--agent", action="store_true",
+                       help="a retrieval agent per question (forced tool call, then the answer over the tool's "
+                            "passages): per step TTFT, chunk hits in tool results, constrained vs free decode "
+                            "ms/token (writes agent.md)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -177,10 +182,10 @@ def _engine(args: argparse.Namespace, kv_store: str | None):
 
         torch.set_num_threads(args.threads)
     # Methods are compared on the same prompts: a stored prefix of one method's request would hand the next its KV
-    # exactly. Only --conversation measures stored prefixes (its own arm without them included).
+    # exactly. Only --conversation (its own arm without them included) and --agent (a loop) keep stored prefixes.
     return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
                                             home=args.home, lead_in=args.lead_in,
-                                            prefix_reuse=args.conversation)
+                                            prefix_reuse=args.conversation or args.agent)
 
 
 def _print_and_write(args: argparse.Namespace, name: str, header: str, table: str, result: dict) -> None:
@@ -205,6 +210,8 @@ def execute(args: argparse.Namespace) -> dict:
         return _frames(args, dataset)
     if args.conversation:
         return _conversation(args, dataset)
+    if args.agent:
+        return _agent(args, dataset)
     if args.breakdown:
         return _breakdown(args, dataset)
     if args.decode:
@@ -309,6 +316,22 @@ def _conversation(args: argparse.Namespace, dataset: Path) -> dict:
     header = (f"{len(items)} conversations × 4 turns × {args.chunks} passages, {_dtype(engine)}, "
               f"max_new_tokens {args.max_new_tokens}; {machine()}")
     _print_and_write(args, "conversation", header, format_conversation(result["summary"]), result)
+    return result
+
+
+def _agent(args: argparse.Namespace, dataset: Path) -> dict:
+    """`--agent`: a two-step retrieval agent per question; prints and writes agent.md."""
+    from .agent import format_agent, run_agent
+    from .report import machine
+
+    items, engine = _questions_and_engine(args, dataset)
+    result = run_agent(engine, items, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
+                       show_progress=not args.quiet)
+    result["meta"] = {"questions": len(items), "chunks": args.chunks, "model": args.model,
+                      "dtype": _dtype(engine), "max_new_tokens": args.max_new_tokens, "machine": machine()}
+    header = (f"{len(items)} questions × 2 agent steps × {args.chunks} passages in the tool result, "
+              f"{_dtype(engine)}, max_new_tokens {args.max_new_tokens}; {machine()}")
+    _print_and_write(args, "agent", header, format_agent(result["summary"]), result)
     return result
 
 

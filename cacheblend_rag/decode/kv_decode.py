@@ -141,8 +141,8 @@ class KVSequence:
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from this sequence's (vocab,) logits: argmax, or sampled with temperature/top_p."""
         s = self.settings
-        if self.grammar is not None:
-            logits = self.grammar.mask(logits)
+        if self.grammar is not None:  # closes within max_new_tokens when the budget gets tight
+            logits = self.grammar.mask(logits, tokens_left=s.max_new_tokens - len(self.generated))
         if s.temperature <= 0:
             return int(torch.argmax(logits))
         scores = logits.float() / s.temperature

@@ -1,0 +1,122 @@
+"""`bench --agent`: a retrieval agent over the dev corpus, step by step, and what constrained decoding costs.
+
+Per question, the agent loop of LangChain's RAG tutorial in the package's generic tool format (`cacheblend_rag.tools`):
+
+    step 1  the question and a `retrieve` tool, tool_choice "required": the grammar forces a well-formed call
+    tool    the bench runs it: the question's passages, joined verbatim as the tool's result (so its stored chunks
+            are found in the ToolMessage, as docs/integrations.md says a retriever tool should return them)
+    step 2  the history with the call and its result, tool_choice "auto": a plain answer or one more call
+
+Per step: TTFT, rows from a stored prefix / stored chunks / computed, tokens, whether the call parsed. The cost of
+constrained decoding is timed on the same prompts, interleaved: each step's answer decoded with its grammar and
+without one (the same number of tokens, `ignore EOS` by giving the free run the constrained run's length as budget
+and counting only runs of more than one token), as decode ms per token after the first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .. import tools
+from .datasets import passages_of
+
+RATIO = 0.15
+RETRIEVE = {"type": "function", "function": {
+    "name": "retrieve",
+    "description": "Retrieve passages that help answer a question.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "what to look up"}},
+                   "required": ["query"]}}}
+SYSTEM = "You answer questions. Use the retrieve tool to find passages, then answer briefly."
+
+
+def _timed(engine, messages: list[dict], grammar, max_new_tokens: int):
+    """One generation and its decode ms per token after the first (None with fewer than two tokens)."""
+    start = time.perf_counter()
+    out = engine.generate_prompt(messages, "cacheblend", RATIO, max_new_tokens=max_new_tokens, grammar=grammar)
+    wall = time.perf_counter() - start
+    n = len(out.token_ids)
+    per_token = (wall - out.ttft_s) / (n - 1) * 1000 if n > 1 else None
+    return out, per_token
+
+
+def _free_cost(engine, messages: list[dict], num_tokens: int) -> float | None:
+    """Decode ms per token of the same prompt without a grammar, over (up to) the same number of tokens."""
+    return _timed(engine, messages, None, max(num_tokens, 2))[1]
+
+
+def run_agent(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens: int = 48,
+              show_progress: bool = True) -> dict[str, Any]:
+    """Every question through the two-step agent loop; records per step and a summary."""
+    functions = tools.functions_of([RETRIEVE])
+    for item in items:  # untimed: the corpus ingested, as a deployment has it
+        engine.ingest(passages_of(item, num_chunks), show_progress=False)
+    engine.generate_prompt([{"role": "user", "content": "Say hello."}], max_new_tokens=2)  # first-call costs
+    records = []
+    for n, item in enumerate(tqdm(items, desc="agent questions", unit="question", disable=not show_progress)):
+        history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item["question"]}]
+        for step, choice in enumerate(("required", "auto"), start=1):
+            prompt = tools.with_tools_prompt(history, functions, choice)
+            grammar = tools.tool_grammar(functions, choice)
+            out, constrained_ms = _timed(engine, prompt, grammar, max_new_tokens)
+            free_ms = _free_cost(engine, prompt, len(out.token_ids))
+            content, calls = tools.parse_tool_calls(out.text, functions)
+            s = out.stats
+            records.append({
+                "question": n, "step": step, "tool_choice": choice, "num_tokens": s["num_tokens"],
+                "prefix_rows": s["num_prefix_rows"], "chunk_rows": s["num_chunk_rows"],
+                "computed_rows": s["num_tokens"] - s["num_prefix_rows"] - s["num_chunk_rows"],
+                "chunk_hits": len(s["chunk_hits"]), "ttft_s": out.ttft_s, "new_tokens": len(out.token_ids),
+                "called": bool(calls), "finish_reason": out.finish_reason,
+                "ms_per_token": {"constrained": constrained_ms, "free": free_ms},
+            })
+            if step == 1:
+                call = calls[0] if calls else tools.ToolCall("retrieve", {"query": item["question"]})
+                result = "\n\n".join(passages_of(item, num_chunks))  # the documents' text verbatim
+                history = history + [{"role": "assistant", "content": tools.render_call(call.name, call.arguments)},
+                                     tools.render_result(result)]
+    return {"records": records, "summary": summarize(records)}
+
+
+def summarize(records: list[dict]) -> dict[str, Any]:
+    """Per step: medians of TTFT, rows by source, chunk hits, calls made; the constrained decoding overhead."""
+    med = statistics.median
+    steps: dict[int, dict] = {}
+    for step in sorted({r["step"] for r in records}):
+        rs = [r for r in records if r["step"] == step]
+        steps[step] = {
+            "n": len(rs), "tool_choice": rs[0]["tool_choice"], "tokens": med(r["num_tokens"] for r in rs),
+            "ttft_s": med(r["ttft_s"] for r in rs), "chunk_hits": med(r["chunk_hits"] for r in rs),
+            "rows": {k: med(r[k] for r in rs) for k in ("prefix_rows", "chunk_rows", "computed_rows")},
+            "calls": sum(r["called"] for r in rs),
+        }
+        pairs = [r["ms_per_token"] for r in rs if None not in r["ms_per_token"].values()]
+        if pairs:
+            steps[step]["ms_per_token"] = {k: med(p[k] for p in pairs) for k in ("constrained", "free")}
+    pairs = [r["ms_per_token"] for r in records if None not in r["ms_per_token"].values()]
+    summary: dict[str, Any] = {"steps": steps}
+    if pairs:
+        constrained, free = med(p["constrained"] for p in pairs), med(p["free"] for p in pairs)
+        summary["ms_per_token"] = {"constrained": constrained, "free": free, "overhead": constrained / free - 1}
+    return summary
+
+
+def format_agent(summary: dict[str, Any]) -> str:
+    """The per-step table and the constrained decoding overhead."""
+    lines = ["| step | tool_choice | n | tokens | prefix / chunk / computed rows | chunk hits | TTFT | calls "
+             "| ms/token constrained | ms/token free |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for step, s in summary["steps"].items():
+        rows, ms = s["rows"], s.get("ms_per_token", {})
+        lines.append(f"| {step} | {s['tool_choice']} | {s['n']} | {s['tokens']:.0f} | {rows['prefix_rows']:.0f} / "
+                     f"{rows['chunk_rows']:.0f} / {rows['computed_rows']:.0f} | {s['chunk_hits']:.0f} | "
+                     f"{s['ttft_s']:.3f} s | {s['calls']}/{s['n']} | {ms.get('constrained', float('nan')):.2f} | "
+                     f"{ms.get('free', float('nan')):.2f} |")
+    if "ms_per_token" in summary:
+        ms = summary["ms_per_token"]
+        lines.append("")
+        lines.append(f"constrained decoding: {ms['constrained']:.2f} ms/token vs {ms['free']:.2f} free "
+                     f"({ms['overhead']:+.1%})")
+    return "\n".join(lines)
