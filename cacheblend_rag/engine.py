@@ -338,21 +338,25 @@ class CacheBlendEngine:
         *,
         template: PromptTemplate | None = None,
         store_holes: bool = True,
+        history: Sequence[dict] = (),
         **policy_options,
     ) -> Prefill:
         """Fused prefill of [prefix][chunks][question]; `method` names the token-selection policy.
 
         Holes (chunks not in the store) are computed in context, then stored after the logits unless
-        `store_holes=False`, which leaves them in `Prefill.unstored_holes`.
+        `store_holes=False`, which leaves them in `Prefill.unstored_holes`. `history`: the conversation's earlier
+        turns as `{"role", "content"}` messages; the chunks stay in its first user turn, so a follow-up's prompt
+        starts with the previous turn's prompt and answer (a stored prefix).
         """
         auto = recompute_ratio == "auto"
         policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
         _check_question(question)
+        _check_history(history)
         if isinstance(chunks, (str, Chunk)):  # one chunk, never its characters
             chunks = [chunks]
         with self._lock, torch.inference_mode():
             resolved = [self.resolve_chunk(c) for c in chunks]
-            prefix, separator, suffix = (template or self.template).render(self.tokenizer, question)
+            prefix, separator, suffix = (template or self.template).render(self.tokenizer, question, history)
             layout = assemble(prefix, [c.token_ids for c in resolved], separator, suffix)
             n = int(layout.token_ids.numel())
             if n > self.context_window:
@@ -457,13 +461,14 @@ class CacheBlendEngine:
         *,
         sampling: SamplingOptions | None = None,
         template: PromptTemplate | None = None,
+        history: Sequence[dict] = (),
         **options,
     ) -> Generation:
         """Fused prefill, then decode: greedy by default; `max_new_tokens` (or `max_tokens`), `temperature`,
         `top_p`, `stop`, `seed` as keywords or one `sampling=` object; other keywords are the policy's options."""
         sampling, policy_options = SamplingOptions.split(options, sampling)
         return self._generate(lambda: self.prefill(chunks, question, method, recompute_ratio, template=template,
-                                                   store_holes=False, **policy_options), sampling)
+                                                   store_holes=False, history=history, **policy_options), sampling)
 
     def stream(
         self,
@@ -475,6 +480,7 @@ class CacheBlendEngine:
         sampling: SamplingOptions | None = None,
         template: PromptTemplate | None = None,
         stats: dict | None = None,
+        history: Sequence[dict] = (),
         **options,
     ) -> Iterator[str]:
         """Yield text pieces as they are decoded; `stats`, if given, gets the prefill's stats, then decoding's.
@@ -484,8 +490,10 @@ class CacheBlendEngine:
         sampling, policy_options = SamplingOptions.split(options, sampling)
         make_policy(method, None if recompute_ratio == "auto" else recompute_ratio, **policy_options)  # fail here
         _check_question(question)
+        _check_history(history)
         return self._stream(lambda: self.prefill(chunks, question, method, recompute_ratio, template=template,
-                                                 store_holes=False, **policy_options), sampling, stats)
+                                                 store_holes=False, history=history, **policy_options), sampling,
+                            stats)
 
     def generate_prompt(
         self,
@@ -527,13 +535,14 @@ class CacheBlendEngine:
         *,
         sampling: SamplingOptions | None = None,
         template: PromptTemplate | None = None,
+        history: Sequence[dict] = (),
         **options,
     ) -> tuple[KVSequence, RequestStats]:
         """Fused prefill, then a sequence ready to decode with `advance` (alone or batched with others), and the
         prefill's stats; keywords as `generate`. Needs the default decoder ("kv")."""
         sampling, policy_options = SamplingOptions.split(options, sampling)
         return self._start(lambda: self.prefill(chunks, question, method, recompute_ratio, template=template,
-                                                store_holes=False, **policy_options), sampling)
+                                                store_holes=False, history=history, **policy_options), sampling)
 
     def start_prompt(
         self,
@@ -656,6 +665,17 @@ def _check_question(question: object, what: str = "question") -> None:
         question.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ConfigError(f"{what} is not valid text ({e.reason} at position {e.start}); pass UTF-8 text") from e
+
+
+def _check_history(history: object) -> None:
+    """Earlier turns are a sequence of {"role": str, "content": str} messages, none of them a system message
+    (that is the template's)."""
+    if isinstance(history, (str, dict)) or not isinstance(history, Sequence) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in history):
+        raise ConfigError("history must be a list of {'role': str, 'content': str} messages (the earlier turns)")
+    if any(m["role"] in ("system", "developer") for m in history):
+        raise ConfigError("history holds a system message; pass it as template=PromptTemplate(system=...)")
 
 
 def _warn_no_match(changed: list[str]) -> None:

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.fuse.chunk_cache import PREFIX_BLOCK
 from cacheblend_rag.fuse.loop import run_layers
 from cacheblend_rag.fuse.policy import RowSelection
@@ -177,3 +177,67 @@ def test_a_stored_prefix_is_named_by_a_hash_chain_of_whole_blocks(tokenizer):
     changed = ids.clone()
     changed[PREFIX_BLOCK + 1] += 1
     assert cache.block_hashes(changed)[0] == chain[0] and cache.block_hashes(changed)[1:] != chain[1:]
+
+
+# ---- the documents path (engine.generate with history=): chunks stay in the first user turn ---------------------
+
+
+def _rendered(tokenizer, question: str, history=()) -> list[int]:
+    """Token ids of a documents-path prompt over TEXTS[:2], as the engine assembles it."""
+    from cacheblend_rag.fuse.layout import PromptTemplate
+
+    prefix, sep, suffix = PromptTemplate().render(tokenizer, question, history)
+    chunks = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in TEXTS[:2]]
+    return prefix + chunks[0] + sep + chunks[1] + suffix
+
+
+@pytest.mark.parametrize("chat_template", [True, False], ids=["chat-template", "plain-text"])
+def test_a_follow_ups_prompt_starts_with_the_previous_prompt_and_answer(tokenizer, chat_template):
+    import copy
+
+    if not chat_template:  # a base model's tokenizer (as gemma3-270m's GGUF): the package's plain-text template
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = None
+    q1, answer, q2 = "Where does the Lune reach the sea?", "At Sunderland Point.", "Which passage says so?"
+    first = _rendered(tokenizer, q1)
+    said = tokenizer((" " if not chat_template else "") + answer, add_special_tokens=False)["input_ids"]
+    second = _rendered(tokenizer, q2, [{"role": "user", "content": q1}, {"role": "assistant", "content": answer}])
+    assert second[:len(first) + len(said)] == first + said  # turn 1's prompt + answer, token for token
+    text = tokenizer.decode(second[len(first):])
+    assert q2 in text and q1 not in text  # the follow-up is a turn of its own; the first question stays in turn 1
+    third = _rendered(tokenizer, "Answer in one word.", [{"role": "user", "content": q1},
+                      {"role": "assistant", "content": answer}, {"role": "user", "content": q2},
+                      {"role": "assistant", "content": "The first."}])
+    assert third[:len(second)] == second
+
+
+def test_documents_with_earlier_turns_start_from_the_previous_turns_kv(tokenizer):
+    engine = _tiny_engine(tokenizer)
+    q1 = "Where does the river Lune reach the sea?"
+    first = engine.generate(TEXTS[:2], q1, max_new_tokens=6)
+    assert first.stats["num_prefix_rows"] == 0 and first.stats["chunk_hits"]
+    history = [{"role": "user", "content": q1}, {"role": "assistant", "content": first.text or "?"}]
+    second = engine.generate(TEXTS[:2], "Which passage says so?", history=history, max_new_tokens=4)
+    s = second.stats
+    assert s["num_tokens"] > first.stats["num_tokens"]
+    # turn 1's prompt tokens come back unchanged (the random model's answer may re-tokenize otherwise)
+    assert s["num_prefix_rows"] >= first.stats["num_tokens"] // PREFIX_BLOCK * PREFIX_BLOCK > 0
+    assert s["num_chunk_rows"] == 0  # both chunks lie inside the stored prefix
+    with pytest.raises(ConfigError, match="system"):
+        engine.generate(TEXTS[:2], "Why?", history=[{"role": "system", "content": "Be brief."}])
+    with pytest.raises(ConfigError, match="history"):
+        engine.generate(TEXTS[:2], "Why?", history="What?")
+
+
+def test_the_prefix_tier_never_holds_more_than_its_budget(tokenizer):
+    budget = 400_000  # a few of the tiny model's conversations: older prefixes are evicted
+    prefixes = MemoryStore(max_bytes=budget)
+    engine = _tiny_engine(tokenizer, prefix_store=prefixes)
+    most = 0
+    for i in range(6):
+        messages = f"{PROMPT} (chat {i})"  # every chat's prefix is new
+        first = engine.generate_prompt(messages, max_new_tokens=4)
+        engine.generate_prompt(messages + tokenizer.decode(first.token_ids) + FOLLOW_UP, max_new_tokens=4)
+        most = max(most, prefixes.stats()["bytes"])
+        assert prefixes.stats()["bytes"] <= budget
+    assert prefixes.stats()["evictions"] > 0 and most > budget // 2

@@ -161,6 +161,54 @@ def test_documents_are_cached_and_reported_as_cached_tokens(client):
     assert second.usage.prompt_tokens == first.usage.prompt_tokens
 
 
+def _documents_prompt(tokenizer, docs: list[str], messages: list[dict]) -> list[int]:
+    """The documents path's prompt for a chat, assembled here as the engine does (the chunks in the first user
+    turn, the turns after it as the chat template writes them)."""
+    from cacheblend_rag.fuse.layout import PromptTemplate
+    from cacheblend_rag.ingest.chunks import make_chunk
+
+    prefix, sep, suffix = PromptTemplate().render(tokenizer, messages[-1]["content"], messages[:-1])
+    ids = list(prefix)
+    for i, doc in enumerate(docs):
+        ids += (sep if i else []) + make_chunk(doc, tokenizer).token_ids.tolist()
+    return ids + suffix
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_documents_keep_the_conversation_and_its_prefix(client, tokenizer):
+    """Issue 27 item 5: with `documents`, a 3-turn chat stayed at one turn's prompt (earlier turns dropped)."""
+    docs = [f"{d} (conversation test)" for d in DOCS]
+    messages = [{"role": "user", "content": QUESTION}]
+    turns = []
+    for follow in ("What are the three small ones called?", "Answer in one word."):  # "ones": the eyes of turn 1
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                             extra_body={"documents": docs})
+        turns.append((out, _documents_prompt(tokenizer, docs, messages)))
+        messages = messages + [{"role": "assistant", "content": out.choices[0].message.content},
+                               {"role": "user", "content": follow}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, extra_body={"documents": docs})
+    turns.append((out, _documents_prompt(tokenizer, docs, messages)))
+    for (out, prompt), (_, before) in zip(turns[1:], turns):
+        # the prompt the server ran is the whole chat: its token count is this rendering's, which holds the
+        # previous turn's prompt, its answer and the follow-up (whose "ones" needs turn 1 to be understood)
+        assert out.usage.prompt_tokens == len(prompt) and prompt[:len(before)] == before
+        text = tokenizer.decode(prompt)
+        assert QUESTION in text and messages[1]["content"] in text and messages[2]["content"] in text
+    (first, _), (second, _), (third, _) = turns
+    assert first.usage.prompt_tokens < second.usage.prompt_tokens < third.usage.prompt_tokens
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    # each turn starts from the previous turn's stored KV (prompt and answer, kept in whole blocks of PREFIX_BLOCK
+    # rows; the last generated token has no KV yet): all of those rows are cached tokens
+    from cacheblend_rag.fuse.chunk_cache import PREFIX_BLOCK
+
+    for (out, _), (before, _) in zip(turns[1:], turns):
+        kept = before.usage.prompt_tokens + before.usage.completion_tokens - 1
+        assert out.usage.prompt_tokens_details.cached_tokens >= kept // PREFIX_BLOCK * PREFIX_BLOCK
+        assert out.usage.prompt_tokens_details.cached_tokens >= before.usage.prompt_tokens - PREFIX_BLOCK
+        assert out.usage.model_extra["cacheblend"]["chunk_misses"] == 0
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_stream_matches_the_answer_and_ends_with_usage(client):

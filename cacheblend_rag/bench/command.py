@@ -15,6 +15,7 @@
     cacheblend-rag bench --frames --limit 20 --dtype bfloat16                # KL vs the model's own forward, per frame
     cacheblend-rag bench --faq --limit 40 --k 4 --max-new-tokens 16         # answer accuracy on made-up FAQ chunks
     cacheblend-rag bench --conversation --limit 10 --dtype bfloat16          # 4-turn chats: stored prefixes vs not
+    cacheblend-rag bench --conversation --rss --limit 100 --prefix-budget-mb 64   # prefix tier bytes and RSS
     cacheblend-rag bench --agent --limit 10 --dtype bfloat16                 # retrieval agent: steps, constrained cost
 
 The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
@@ -132,6 +133,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "escalates flagged requests to --guard-ratio")
     trace.add_argument("--guard-ratio", type=float, default=None, metavar="R",
                        help="the ratio flagged requests escalate to (default: twice the method's ratio)")
+    chat = parser.add_argument_group("--conversation")
+    chat.add_argument("--rss", action="store_true",
+                      help="instead of the timing arms: --limit 2-turn chats on a prefix tier of --prefix-budget-mb; "
+                      "its bytes vs budget and the process RSS every 10 chats (writes conversation_rss.md)")
+    chat.add_argument("--prefix-budget-mb", type=float, default=64.0, metavar="MB",
+                      help="the prefix tier's byte budget with --rss (default 64)")
     mode.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of the chain methods")
 
     engine = parser.add_argument_group("engine")
@@ -309,6 +316,8 @@ def _conversation(args: argparse.Namespace, dataset: Path) -> dict:
     from .report import machine
 
     items, engine = _questions_and_engine(args, dataset)
+    if args.rss:
+        return _conversation_rss(args, items, engine)
     result = run_conversation(engine, items, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
                               show_progress=not args.quiet)
     result["meta"] = {"conversations": len(items), "chunks": args.chunks, "model": args.model,
@@ -332,6 +341,23 @@ def _agent(args: argparse.Namespace, dataset: Path) -> dict:
     header = (f"{len(items)} questions × 2 agent steps × {args.chunks} passages in the tool result, "
               f"{_dtype(engine)}, max_new_tokens {args.max_new_tokens}; {machine()}")
     _print_and_write(args, "agent", header, format_agent(result["summary"]), result)
+    return result
+
+
+def _conversation_rss(args: argparse.Namespace, items: list[dict], engine) -> dict:
+    """`--conversation --rss`: the prefix tier's bytes vs its budget and the process RSS over many short chats."""
+    from .conversation import format_rss, run_rss
+    from .report import machine
+
+    budget = int(args.prefix_budget_mb * 2 ** 20)
+    result = run_rss(engine, items, budget_bytes=budget, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
+                     show_progress=not args.quiet)
+    result["meta"] = {"conversations": len(items), "chunks": args.chunks, "model": args.model,
+                      "dtype": _dtype(engine), "budget_mb": args.prefix_budget_mb,
+                      "max_new_tokens": args.max_new_tokens, "machine": machine()}
+    header = (f"{len(items)} chats × 2 turns × {args.chunks} passages, prefix tier {args.prefix_budget_mb:g} MB, "
+              f"{_dtype(engine)}, max_new_tokens {args.max_new_tokens}; {machine()}")
+    _print_and_write(args, "conversation_rss", header, format_rss(result), result)
     return result
 
 

@@ -9,10 +9,15 @@ The history is the prefix-reuse engine's own answers, so every arm sees the same
     full        full prefill of the same prompt: the reference for first-token KL
 
 Arms run interleaved per turn, so load on the machine falls on all of them alike; read the ratios.
+
+`--rss` (run_rss) checks the other target, memory: many short 2-turn chats, each over passages no other chat
+sends, on an engine whose prefix tier has a small byte budget; every `every` chats it prints the tier's bytes vs
+its budget, its evictions and the process's resident memory, which should flatten once the tier is full.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any
 
@@ -115,4 +120,50 @@ def format_conversation(summary: dict[str, Any]) -> str:
                      f"({summary['turn1_cacheblend_ttft_s']:.3f} s), {summary['later_speedup_vs_no_prefix']:.1f}x "
                      f"below CacheBlend without them; KL vs full prefill {summary['later_kl_prefix']:.4f} "
                      f"(turn 1: {summary['turn1_kl']:.4f})")
+    return "\n".join(lines)
+
+
+def run_rss(engine, items: list[dict], *, budget_bytes: int, num_chunks: int = 6, max_new_tokens: int = 8,
+            every: int = 10, show_progress: bool = True) -> dict[str, Any]:
+    """Two-turn chats, one per item, on an engine over `engine`'s model whose prefix tier holds `budget_bytes`:
+    the tier's bytes (the most seen after any request too), entries, evictions and the process's RSS every
+    `every` chats."""
+    from ..engine import CacheBlendEngine
+    from ..store.memory import MemoryStore
+    from .faults import rss_bytes
+
+    tier = MemoryStore(budget_bytes)
+    # nothing ingested, no chunk store: the prefix tier is the only KV that can grow from chat to chat
+    chat = CacheBlendEngine(engine.model, engine.tokenizer, kv_store=None, lead_in=engine.lead_in, prefix_store=tier)
+    chat.generate_prompt([{"role": "user", "content": "Say hello."}], max_new_tokens=2)  # first-call costs
+    rows, most, prefix_rows = [], 0, 0
+    for n, item in enumerate(tqdm(items, desc="conversations", unit="chat", disable=not show_progress), start=1):
+        messages = _first_turn(passages_of(item, num_chunks), item["question"])
+        for follow in (None, follow_ups(item, num_chunks)[0]):
+            if follow is not None:
+                messages = messages + [{"role": "user", "content": follow}]
+            out = chat.generate_prompt(messages, "cacheblend", RATIO, max_new_tokens=max_new_tokens)
+            messages = messages + [{"role": "assistant", "content": out.text}]
+            most = max(most, tier.stats()["bytes"])
+            prefix_rows += out.stats["num_prefix_rows"]
+        if n % every == 0 or n == len(items):
+            st = tier.stats()
+            rows.append({"conversations": n, "tier_bytes": st["bytes"], "max_tier_bytes": most,
+                         "budget_bytes": budget_bytes, "entries": st["entries"], "evictions": st["evictions"],
+                         "prefix_rows": prefix_rows, "rss_bytes": rss_bytes(os.getpid())})
+    return {"rows": rows, "within_budget": most <= budget_bytes}
+
+
+def format_rss(result: dict[str, Any]) -> str:
+    """The memory table of run_rss: the prefix tier against its budget, and RSS, every few chats."""
+    mb = 2 ** 20
+    lines = ["| chats | tier MB | most MB | budget MB | entries | evictions | prefix rows (cum.) | RSS MB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['conversations']} | {r['tier_bytes'] / mb:.1f} | {r['max_tier_bytes'] / mb:.1f} | "
+                     f"{r['budget_bytes'] / mb:.1f} | {r['entries']} | {r['evictions']} | {r['prefix_rows']} | "
+                     f"{r['rss_bytes'] / mb:.0f} |")
+    lines.append("")
+    lines.append("the prefix tier stayed within its budget" if result["within_budget"]
+                 else "the prefix tier went OVER its budget")
     return "\n".join(lines)

@@ -3,6 +3,7 @@ own template), or a user's prompt tokenized whole with the stored chunks aligned
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 
@@ -22,11 +23,18 @@ class PromptTemplate:
     question: str = "\n\nAnswer the question from the passages above in a few words.\nQuestion: {question}"
     separator: str = "\n\n"
 
-    def render(self, tokenizer, question: str) -> tuple[list[int], list[int], list[int]]:
-        """Token ids of (prefix, separator, suffix) for `question`."""
-        prefix_text, tail = self._split(tokenizer)
+    def render(self, tokenizer, question: str, history: Sequence[dict] = ()) -> tuple[list[int], list[int], list[int]]:
+        """Token ids of (prefix, separator, suffix) for `question`, after the earlier turns `history`.
+
+        history: the conversation before `question` as `{"role", "content"}` messages (no system message: that is
+        the template's). The chunks sit in the first user turn (with the question template around its text), later
+        turns follow as they are, so turn n's prompt plus its answer is the start of turn n + 1's prompt.
+        """
+        turns = [*history, {"role": "user", "content": question}]
+        first = next(i for i, m in enumerate(turns) if m["role"] == "user")
+        prefix_text, tail = self._split(tokenizer, turns[:first], turns[first + 1:])
         prefix = tokenizer(prefix_text, add_special_tokens=not getattr(tokenizer, "chat_template", None))
-        suffix_text = self.question.format(question=question) + tail
+        suffix_text = self.question.format(question=turns[first]["content"]) + tail
         encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
         return list(prefix["input_ids"]), encode(self.separator), encode(suffix_text)
 
@@ -34,14 +42,25 @@ class PromptTemplate:
         """Token ids of the prefix alone (the default chunk lead-in)."""
         return self.render(tokenizer, "")[0]
 
-    def _split(self, tokenizer) -> tuple[str, str]:
-        """The text before and after the chunks' slot in the user turn."""
+    def _split(self, tokenizer, before: Sequence[dict] = (), after: Sequence[dict] = ()) -> tuple[str, str]:
+        """The text before and after the chunks' slot in the first user turn, with the turns before and after it."""
         if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "system", "content": self.system}, {"role": "user", "content": _SLOT}]
+            messages = [{"role": "system", "content": self.system}, *before, {"role": "user", "content": _SLOT},
+                        *after]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            before, _, after = text.partition(_SLOT)
-            return before, after
-        return self.system + "\n\n", "\nAnswer:"
+            head, _, tail = text.partition(_SLOT)
+            return head, tail
+        # no chat template (a base model): the same turns as plain text, each answer after "Answer:"
+        return self.system + "\n\n" + "".join(map(_plain_turn, before)), "\nAnswer:" + "".join(map(_plain_turn, after))
+
+
+def _plain_turn(message: dict) -> str:
+    """One earlier turn in the plain-text template: an answer follows "Answer:", a question asks for the next."""
+    if message["role"] == "assistant":
+        return " " + message["content"]
+    if message["role"] == "user":
+        return f"\n\nQuestion: {message['content']}\nAnswer:"
+    return f"\n\n{message['role'].capitalize()}: {message['content']}"
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,8 @@ def prompt_chars(call: EngineCall, normalize: Callable[[str], str] = str) -> int
     if not call.documents and call.retrieval is None and call.messages:
         return sum(len(normalize(m["content"])) for m in call.messages)
     docs = sum(len(normalize(d)) for d in call.documents if isinstance(d, str) and not looks_like_chunk_id(d))
+    if call.messages:  # a chat keeps its earlier turns beside the documents (runner.conversation)
+        return docs + sum(len(normalize(m["content"])) for m in call.messages)
     return docs + len(normalize(call.question)) + len(normalize(call.system or ""))
 
 

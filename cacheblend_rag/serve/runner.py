@@ -1,9 +1,10 @@
 """What the worker thread does with one request: gather its chunks, run the engine, hand back pieces and stats.
 
 `_run_request` is the one place an API request meets the engine:
-- with `documents`, `chunk_ids` or `retrieval`: `engine.stream(chunks, question, template=...)` — the chunks
-  are those passages, the question the last user message (or the completion prompt), a system message the
-  template's system text;
+- with `documents`, `chunk_ids` or `retrieval`: `engine.stream(chunks, question, template=..., history=...)` —
+  the chunks are those passages, the question the last user message (or the completion prompt), the turns before
+  it the history (the chunks stay in the first user turn, so a follow-up starts with the previous turn's prompt
+  and answer: a stored prefix), a system message the template's system text;
 - otherwise the request's own prompt — the whole chat, rendered with the model's chat template, or the
   completion prompt as is — goes to `engine.stream_prompt`, which reuses the KV of every ingested chunk whose
   text it carries (a client's own RAG prompt gets reuse without any extension field).
@@ -92,6 +93,16 @@ def admit_documents(engine, call: EngineCall) -> EngineCall:
     return replace(call, documents=tuple(chunks))
 
 
+def conversation(call: EngineCall) -> tuple[str, tuple[dict, ...]]:
+    """(question, earlier turns) of a call on the documents path: the last user message of a chat (a tool's result
+    is one) and the messages before it, system messages left to the template; a completion has no earlier turns."""
+    turns = [m for m in call.messages if m["role"] not in ("system", "developer")]
+    last = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=None)
+    if last is None:
+        return call.question, ()
+    return turns[last]["content"], tuple(turns[:last])
+
+
 def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) -> Iterator[str]:
     """Text pieces of the answer; `stats` gets the engine's stats (and `retrieved`, the retrieved passages' count)."""
     s = call.sampling
@@ -108,8 +119,9 @@ def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) ->
         stats["num_retrieved"] = len(retrieved)
         chunks += retrieved
     template = PromptTemplate(system=call.system) if call.system else None
-    return engine.stream(chunks, call.question, call.method, call.recompute_ratio, template=template, stats=stats,
-                         **sampling, **call.policy_options)
+    question, history = conversation(call)
+    return engine.stream(chunks, question, call.method, call.recompute_ratio, template=template, stats=stats,
+                         history=history, **sampling, **call.policy_options)
 
 
 def run_job(engine, retriever: Retriever, job: Job) -> None:
@@ -183,8 +195,9 @@ def start_job(engine, retriever: Retriever, job: Job) -> ActiveRequest:
             stats["num_retrieved"] = len(retrieved)
             chunks += retrieved
         template = PromptTemplate(system=call.system) if call.system else None
-        seq, pre_stats = engine.start(chunks, call.question, call.method, call.recompute_ratio, template=template,
-                                      **sampling, **call.policy_options)
+        question, history = conversation(call)
+        seq, pre_stats = engine.start(chunks, question, call.method, call.recompute_ratio, template=template,
+                                      history=history, **sampling, **call.policy_options)
     stats.update(pre_stats.as_dict())
     return ActiveRequest(job, seq, stats)
 
