@@ -11,7 +11,8 @@ The format (documented in docs/integrations.md), in plain chat messages any temp
   (stored chunks inside a retriever tool's result are then found and fused like chunks anywhere in a prompt).
 
 `tool_choice`: "auto" (a call or a plain answer that does not start with "<"), "required" (alias "any": a call),
-a tool's name (a call to that tool), "none" (no grammar; the tools stay listed). One call per answer.
+a tool's name (a call to that tool), "none" (plain text that does not start with "<"; the tools stay listed, in
+the same system text whatever the choice, so an agent's steps share their prompt's start). One call per answer.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def tool_grammar(functions: Sequence[dict[str, Any]], choice: str,
     """The grammar for an answer under `choice`: a call, or a call or plain text ("auto"); None for "none".
     `answer`: a JSON schema the plain answer must match instead ("auto" with a response format: a call or that
     JSON, which starts with "{" and so can never be a malformed call)."""
-    if choice == "none":
-        return None if answer is None else Grammar.json_schema(answer)
+    if choice == "none":  # plain text that cannot start a call (or the response format's JSON)
+        return Grammar.lark("start: /[^<][\\s\\S]*/\n") if answer is None else Grammar.json_schema(answer)
     targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
     # JSON embedded in Lark gets the same spacing options as a plain schema: without them whitespace is free
     # inside a call, and SmolLM2 emitted newlines after `"arguments": {` until max_tokens
@@ -142,23 +143,22 @@ def response_grammar(response_format: dict[str, Any] | None) -> Grammar | None:
     return Grammar.json_object() if schema == {"type": "object"} else Grammar.json_schema(schema)
 
 
-def tools_prompt(functions: Sequence[dict[str, Any]], choice: str) -> str:
+def tools_prompt(functions: Sequence[dict[str, Any]]) -> str:
     """The system text that lists the tools and the call format."""
     listed = "\n".join(json.dumps(fn) for fn in functions)
     how = (f'To call a tool, answer with only {TOOL_OPEN}{{"name": <tool name>, "arguments": <JSON object>}}'
            f"{TOOL_CLOSE}. A tool's result comes back as {RESULT_OPEN}...{RESULT_CLOSE}.")
-    # One text for auto, required and a named tool (the grammar enforces which): an agent loop that forces its
-    # first call and leaves the next to the model then keeps the same system text, so each step's prompt starts
-    # with the previous one's and reuses its stored prefix
-    rule = ("Do not call a tool now; answer in plain text." if choice == "none"
-            else "Call a tool when it helps; otherwise answer in plain text.")
+    # One text whatever the choice (the grammar enforces it): an agent loop that forces its first call, leaves
+    # the next to the model or forbids one keeps the same system text, so each step's prompt starts with the
+    # previous one's and reuses its stored prefix
+    rule = "Call a tool when it helps; otherwise answer in plain text."
     return f"You have these tools:\n<tools>\n{listed}\n</tools>\n{how}\n{rule}"
 
 
-def with_tools_prompt(messages: Sequence[dict[str, str]], functions: Sequence[dict[str, Any]],
-                      choice: str) -> list[dict[str, str]]:
+def with_tools_prompt(messages: Sequence[dict[str, str]], functions: Sequence[dict[str, Any]]
+                      ) -> list[dict[str, str]]:
     """The chat messages with the tools' system text added to the system message (or a new one first)."""
-    return with_system_text(messages, tools_prompt(functions, choice))
+    return with_system_text(messages, tools_prompt(functions))
 
 
 def schema_prompt(schema: dict[str, Any]) -> str:

@@ -59,7 +59,7 @@ def run_agent(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens:
     for n, item in enumerate(tqdm(items, desc="agent questions", unit="question", disable=not show_progress)):
         history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item["question"]}]
         for step, choice in enumerate(("required", "auto"), start=1):
-            prompt = tools.with_tools_prompt(history, functions, choice)
+            prompt = tools.with_tools_prompt(history, functions)
             grammar = tools.tool_grammar(functions, choice)
             out, constrained_ms = _timed(engine, prompt, grammar, max_new_tokens)
             free_ms = _free_cost(engine, prompt, len(out.token_ids))

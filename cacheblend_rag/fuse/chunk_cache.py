@@ -144,10 +144,16 @@ class ChunkCache:
             positions_start=int(lead_ids.numel()),
         )
 
+    def _segment_key(self, token_ids: Sequence[int]) -> KVKey:
+        return KVKey(self.namespace_for([]), "seg-" + hashlib.sha256(_ids_bytes(token_ids)).hexdigest()[:32])
+
+    def has_segment(self, token_ids: Sequence[int]) -> bool:
+        """Whether `exact_segment(token_ids)` would read stored KV (not compute it)."""
+        return self.store.contains(self._segment_key(token_ids))
+
     def exact_segment(self, token_ids: Sequence[int]) -> LayerReader:
         """KV of a segment that starts at position 0 (prefix, lead-in): exact, computed once, then stored."""
-        segment_id = "seg-" + hashlib.sha256(_ids_bytes(token_ids)).hexdigest()[:32]
-        key = KVKey(self.namespace_for([]), segment_id)
+        key = self._segment_key(token_ids)
         reader = self.store.reader(key)
         if reader is not None:
             return reader

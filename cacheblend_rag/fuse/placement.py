@@ -49,18 +49,22 @@ def nothing(cache: ChunkCache, request: FusionRequest) -> Placements:
 def _prefix(cache: ChunkCache, request: FusionRequest) -> tuple[Placements, list[tuple[int, Chunk]]]:
     """The exact KV the request starts with, and (row, chunk) of the chunks after it.
 
-    The longest stored prefix of the request's tokens if it reaches past the first chunk's start (chunks it covers
-    are hits, not placed again; one it cuts keeps its rows after it), else the exact KV of the text before the first chunk (none for an empty one):
-    cached by its token ids, so a repeated system prompt or template head is reused exactly.
+    The longest stored prefix of the request's tokens (chunks it covers are hits, not placed again; one it cuts
+    keeps its rows after it), unless it ends before the first chunk and the text before that chunk is a stored
+    exact segment or the lead-in; then that segment's exact KV (none for an empty one): cached by its token ids,
+    so a repeated system prompt or template head is reused exactly.
     """
     rest = list(zip(request.layout.chunk_starts, request.chunks))
+    prefix = request.prefix_ids
     stored = cache.stored_prefix(request.layout.token_ids)
-    if stored is not None and stored.num_tokens <= request.layout.prefix_len:
-        stored.close()  # no further than the text before the first chunk: its exact segment places as much, and
-        stored = None   # the first chunk stays exact behind the lead-in it was computed after
+    if stored is not None and stored.num_tokens <= request.layout.prefix_len and (
+            prefix == list(cache.lead_in_ids) or cache.has_segment(prefix)):
+        stored.close()  # no further than the text before the first chunk, whose exact segment is stored (or is
+        stored = None   # the lead-in, behind which the first chunk stays exact): the segment places more
     if stored is None:
-        prefix = request.prefix_ids
         return Placements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else []), rest
+    # A stored prefix short of the first chunk (an agent's previous step, before the tool result that brought the
+    # chunks): its rows are placed, the text after it up to the first chunk is computed in the layer loop
     end = stored.num_tokens
     after, covered = [], []
     for row, chunk in rest:

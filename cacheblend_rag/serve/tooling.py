@@ -75,7 +75,7 @@ def plan_chat(body: ChatCompletionRequest) -> ChatPlan:
             body.response_format.as_dict()))
     functions = generic_tools.functions_of(tools)
     choice = generic_tools.normalize_choice(body.tool_choice, [f["name"] for f in functions])
-    text = generic_tools.tools_prompt(functions, choice)
+    text = generic_tools.tools_prompt(functions)
     if answer is not None and choice in ("auto", "none"):
         text += "\n" + (generic_tools.schema_prompt(answer) if body.response_format.type == "json_schema"
                         else "Otherwise answer with only a JSON object.")

@@ -189,7 +189,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         rendered = to_chat_messages(messages)
         if tools:
             functions = generic_tools.functions_of([convert_to_openai_tool(t) for t in tools])
-            rendered = generic_tools.with_tools_prompt(rendered, functions, "auto")
+            rendered = generic_tools.with_tools_prompt(rendered, functions)
         if getattr(tokenizer, "chat_template", None):
             return len(tokenizer.apply_chat_template(rendered, tokenize=True, add_generation_prompt=True,
                                                      return_dict=True)["input_ids"])
@@ -216,7 +216,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         functions = generic_tools.functions_of(kwargs.get("tools") or [])
         if functions:
             choice = generic_tools.normalize_choice(kwargs.get("tool_choice"), [f["name"] for f in functions])
-            chat = generic_tools.with_tools_prompt(chat, functions, choice)
+            chat = generic_tools.with_tools_prompt(chat, functions)
             settings["grammar"] = generic_tools.tool_grammar(functions, choice)
             if choice == "none":
                 functions = []  # nothing to parse: the answer is plain text

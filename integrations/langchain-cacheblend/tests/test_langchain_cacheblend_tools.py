@@ -160,3 +160,51 @@ def test_langchain_rag_agent_tutorial_tool_results_are_chunk_hits(tmp_path):
     answer = next(m for m in messages[messages.index(tool_messages[0]):] if isinstance(m, AIMessage))
     hits = answer.response_metadata["cacheblend"]["chunk_hits"]
     assert set(hits) == {chunk_id(t) for t in texts}, hits
+
+
+def test_langgraph_tool_node_loop_reuses_the_previous_step_and_the_tool_results_chunks():
+    """A LangGraph agent built by hand: a model node with bound tools, LangGraph's prebuilt `ToolNode` and
+    `tools_condition`. The first model call is forced to the retriever (a 135M model, left to choose, answers
+    directly), the next must answer (tool_choice "none"; left to choose, it calls the tool again until the
+    recursion limit). That second call starts with the first call's stored prompt and answer (a stored prefix:
+    the tools' system text is the same whatever the choice) and finds the passages inside the tool's result."""
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    from cacheblend_rag import chunk_id
+
+    passages = ["Honeybee eyes\nA honeybee has five eyes: two compound eyes and three simple ocelli.",
+                "Drones\nDrones are male honeybees; they do not sting and do not gather nectar."]
+    engine = shared_engine()
+    engine.ingest(passages, show_progress=False)
+
+    @tool
+    def search_bees(query: str) -> str:
+        """Search the bee encyclopedia."""
+        return "\n\n".join(passages)  # the documents' text verbatim, as docs/integrations.md advises
+
+    model = ChatCacheBlend(engine=engine, max_tokens=48)
+    forced = model.bind_tools([search_bees], tool_choice="search_bees")
+    answer = model.bind_tools([search_bees], tool_choice="none")
+    replies: list[AIMessage] = []
+
+    def agent(state: MessagesState) -> dict:
+        called = any(isinstance(m, ToolMessage) for m in state["messages"])
+        reply = (answer if called else forced).invoke(state["messages"])
+        replies.append(reply)
+        return {"messages": [reply]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("agent", agent)
+    graph.add_node("tools", ToolNode([search_bees]))
+    graph.add_edge(START, "agent")
+    graph.add_conditional_edges("agent", tools_condition)
+    graph.add_edge("tools", "agent")
+    result = graph.compile().invoke({"messages": [HumanMessage("How many eyes does a honeybee have?")]},
+                                    {"recursion_limit": 8})
+    tool_messages = [m for m in result["messages"] if isinstance(m, ToolMessage)]
+    assert tool_messages and tool_messages[0].name == "search_bees"
+    assert len(replies) == 2 and replies[0].tool_calls and not replies[1].tool_calls
+    first, second = (r.response_metadata["cacheblend"] for r in replies[:2])
+    assert second["num_prefix_rows"] >= first["num_tokens"] - 16, (first, second)  # whole 16-token blocks
+    assert set(second["chunk_hits"]) == {chunk_id(p) for p in passages}, second

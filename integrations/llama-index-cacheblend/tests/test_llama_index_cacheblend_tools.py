@@ -109,3 +109,37 @@ def test_function_agent_calls_a_retriever_tool_and_its_chunk_is_reused(llm, li_e
                 ChatMessage(role=MessageRole.TOOL, content=PASSAGE, additional_kwargs={"tool_call_id": "c1"})]
     response = llm.chat(messages)
     assert response.additional_kwargs["chunk_hits"], "the stored passage inside the tool's output was not reused"
+
+
+def test_function_agent_with_a_query_engine_tool_reuses_the_retrieved_chunks(llm, li_engine):
+    """The LlamaIndex agentic-RAG shape: a `QueryEngineTool` over a `VectorStoreIndex`, in a `FunctionAgent`, both
+    on CacheBlendLLM. The agent calls the tool, the query engine answers over the retrieved node, and its prompt
+    reuses the node's stored KV (ingested once, as a deployment's corpus is)."""
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.schema import TextNode
+    from llama_index.core.tools import QueryEngineTool
+    from llama_index.llms.cacheblend import LocalEmbedding
+
+    from cacheblend_rag import chunk_id
+
+    li_engine.ingest([PASSAGE], show_progress=False)
+    index = VectorStoreIndex([TextNode(text=PASSAGE, id_=chunk_id(PASSAGE))], embed_model=LocalEmbedding())
+    engine_llm = CacheBlendLLM(engine=li_engine, max_new_tokens=16)
+    query_engine = index.as_query_engine(llm=engine_llm, similarity_top_k=1)
+    tool = QueryEngineTool.from_defaults(query_engine, name="bee_facts",
+                                         description="Answers questions about honeybees from an encyclopedia.")
+    agent = FunctionAgent(tools=[tool], llm=llm, system_prompt="Use bee_facts to answer questions about bees.",
+                          initial_tool_choice="bee_facts")  # a 135M model, left to choose, answers directly
+
+    async def run():
+        from llama_index.core.agent.workflow import ToolCallResult
+
+        handler = agent.run("How many days does a queen honeybee take to develop?", max_iterations=4)
+        results = [ev async for ev in handler.stream_events() if isinstance(ev, ToolCallResult)]
+        await handler
+        return results
+
+    called = [c for c in asyncio.run(run()) if c.tool_name == "bee_facts"]
+    assert called, "the agent never called its query engine tool"
+    assert called[0].tool_output.raw_output.source_nodes[0].node.text == PASSAGE
+    assert engine_llm.last_stats["chunk_hits"] == [chunk_id(PASSAGE)], engine_llm.last_stats

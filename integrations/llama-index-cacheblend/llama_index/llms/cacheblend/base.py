@@ -454,7 +454,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         functions = generic_tools.functions_of(tools or [])
         if functions:
             choice = generic_tools.normalize_choice(choice, [f["name"] for f in functions])
-            chat = generic_tools.with_tools_prompt(chat, functions, choice)
+            chat = generic_tools.with_tools_prompt(chat, functions)
             kwargs["grammar"] = generic_tools.tool_grammar(functions, choice)
             if choice == "none":
                 functions = []  # nothing to parse: the answer is plain text
