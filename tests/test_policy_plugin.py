@@ -31,7 +31,7 @@ class ReuseButFirst:
         """What full reuse places."""
         return FullReuse().place(cache, request)
 
-    def start(self, adapter, seq):
+    def start(self, adapter, seq, placed):
         """Uncached rows, and the first `extra` reused ones."""
         active = ~seq.cached
         active[seq.reused.nonzero().squeeze(1)[: self.extra]] = True

@@ -80,7 +80,7 @@ class EveryOtherRow:
         placed.report["every_other_row"] = {"placed": len(placed.placements)}
         return placed
 
-    def start(self, adapter, seq):
+    def start(self, adapter, seq, placed):
         return _EveryOther(~seq.exact, full_layers=1)
 
 

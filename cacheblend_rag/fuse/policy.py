@@ -1,7 +1,8 @@
 """What a policy is: where its cached KV comes from (`place`) and which rows each layer computes (`start`).
 
     policy.place(cache, request) -> Placements      which cached KV goes where; hits, misses, holes to store
-    policy.start(adapter, seq)   -> Selection        per request: rows active at layer 0, `keep(view)` per layer
+    policy.start(adapter, seq, placed) -> Selection  per request: rows active at layer 0, `keep(view)` per layer
+                                                     (`placed` is what `place` returned: its plan, by value)
 
 The one layer loop (`fuse.loop.run_layers`) drives the selection; no policy runs a loop of its own.
 A new policy is one module in `fuse/policies/` plus one line in its registry.
@@ -46,8 +47,8 @@ class Policy(Protocol):
     def place(self, cache: "ChunkCache", request: FusionRequest) -> "Placements":
         """The cached KV this method reuses, and the chunks it found or missed."""
 
-    def start(self, adapter: "LlamaFamilyAdapter", seq: "FusedSequence") -> Selection:
-        """This request's selection: active rows at layer 0, narrowed layer by layer."""
+    def start(self, adapter: "LlamaFamilyAdapter", seq: "FusedSequence", placed: "Placements") -> Selection:
+        """This request's selection (active rows at layer 0, narrowed layer by layer), from what `place` returned."""
 
 
 @dataclass

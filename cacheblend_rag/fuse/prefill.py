@@ -2,7 +2,7 @@
 
     placements = policy.place(cache, request)        which stored KV goes where (readers opened once)
     seq        = cache.sequence(layout, placements)  rows, cached / exact / reused masks, a per-layer loader
-    selection  = policy.start(adapter, seq)
+    selection  = policy.start(adapter, seq, placements)
     result     = run_layers(adapter, seq, selection) the one layer loop
     logits     = adapter.logits(last row)            → first token; TTFT ends here
     placements.close()                               readers released (a tier may promote what was read)
@@ -184,7 +184,7 @@ def _run(cache: ChunkCache, policy: Policy, request: FusionRequest, auto_ratio: 
             policy = dataclasses.replace(policy, recompute_ratio=decision.recompute_ratio)
         try:
             layers_started = time.perf_counter()
-            selection = policy.start(adapter, seq)
+            selection = policy.start(adapter, seq, placed)
             result = run_layers(adapter, seq, selection, num_output_rows=1)
             if result.output_rows is None or int(result.output_rows[-1]) != seq.num_rows - 1:
                 raise RuntimeError("the last prompt row was not computed; a policy dropped it")

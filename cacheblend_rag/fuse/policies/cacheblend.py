@@ -90,7 +90,8 @@ class CacheBlend:
         """The exact prefix and every stored chunk."""
         return placement.every_chunk(cache, request)
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
         """Every row up to the last check layer (or none reused, when the budget is 0 or all of them)."""
         reused = seq.reused
         num_reused = int(reused.sum())

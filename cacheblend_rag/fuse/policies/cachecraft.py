@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,7 +196,7 @@ class CacheCraft:
         variants = VariantStore.for_store(cache.store)
         ns = cache.namespace
         prefix = request.prefix_ids
-        out = Placements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else [])
+        out = CraftPlacements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else [])
         follows_lead_in = prefix == list(cache.lead_in_ids)
         ids = [c.chunk_id for c in request.chunks]
         token_ids = request.layout.token_ids
@@ -218,7 +217,7 @@ class CacheCraft:
                 continue
             out.hits.append(chunk.chunk_id)
             out.placements.append(Placement(plan.row_start, plan.reader, exact=plan.exact))
-        _PENDING.plan = RequestPlan(self, alpha, ns, variants, plans)
+        out.plan = RequestPlan(alpha, ns, variants, plans)
         return out
 
     def _choose(self, cache, variants: VariantStore, plan: "ChunkPlan", alpha: float, first: bool,
@@ -262,14 +261,13 @@ class CacheCraft:
             variants.touch(cache.namespace, v, cfo)
             return
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> "CraftSelection":
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence, placed: Placements) -> "CraftSelection":
         """Rows of each chunk's budget (by ranking) from layer 0, or whole chunks up to the HKVD check layer."""
-        request = getattr(_PENDING, "plan", None)
-        _PENDING.plan = None
+        request = placed.plan if isinstance(placed, CraftPlacements) else None
         by_reader = {id(p.reader): p for p in request.chunks if p.reader is not None} if request else {}
-        placed = [p for p in seq.placements if id(p.kv) in by_reader and by_reader[id(p.kv)].reader is p.kv]
-        if request is None or request.policy is not self or len(placed) != len(by_reader):
-            raise RuntimeError("cachecraft.start() must follow its own place() for the same request")
+        in_seq = [p for p in seq.placements if id(p.kv) in by_reader and by_reader[id(p.kv)].reader is p.kv]
+        if request is None or len(in_seq) != len(by_reader):
+            raise RuntimeError("cachecraft.start() takes what its own place() returned for the same request")
         return CraftSelection(~seq.cached, 0, policy=self, request=request, adapter=adapter, seq=seq)
 
 
@@ -302,16 +300,19 @@ class ChunkPlan:
 
 @dataclass
 class RequestPlan:
-    """What place() decided for one request, handed to start() in the same thread."""
+    """What place() decided for one request; start() receives it inside the placements."""
 
-    policy: CacheCraft
     alpha: float
     namespace: str
     variants: VariantStore
     chunks: list[ChunkPlan]
 
 
-_PENDING = threading.local()  # place() → start(): one request at a time per thread (the engine serialises)
+@dataclass
+class CraftPlacements(Placements):
+    """Cache-Craft's placements, carrying its per-chunk plan from place() to start() (by value, no side channel)."""
+
+    plan: RequestPlan | None = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ class FullPrefill:
         """Nothing from the cache."""
         return placement.nothing(cache, request)
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
         """All rows."""
         return RowSelection(torch.ones_like(seq.cached))

@@ -21,6 +21,7 @@ class FullReuse:
         """The exact prefix and every stored chunk."""
         return placement.every_chunk(cache, request)
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
         """Rows without cached KV."""
         return RowSelection(~seq.cached)

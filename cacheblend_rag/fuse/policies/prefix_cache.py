@@ -21,6 +21,7 @@ class PrefixCache:
         """The exact prefix and the first chunk as it follows it."""
         return placement.exact_prefix(cache, request)
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
         """Rows without cached KV."""
         return RowSelection(~seq.cached)
