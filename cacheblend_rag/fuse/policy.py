@@ -10,8 +10,9 @@ A new policy is one module in `fuse/policies/` plus one line in its registry.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -39,14 +40,22 @@ class FusionRequest:
         return self.layout.token_ids[: self.layout.prefix_len].tolist()
 
 
-class Policy(Protocol):
-    """A token-selection method: a frozen dataclass of hyper-parameters."""
+class Policy(ABC):
+    """A token-selection method: a frozen dataclass of hyper-parameters that subclasses this.
+
+    What the prefill may ask of any policy is declared here, with its default, so nothing probes for it.
+    """
 
     name: ClassVar[str]
+    # The share of reused rows the method recomputes, if it has one (CacheBlend's is a dataclass field that
+    # overrides this). None: no ratio, and recompute_ratio="auto" is refused for the method.
+    recompute_ratio: float | None = None
 
+    @abstractmethod
     def place(self, cache: "ChunkCache", request: FusionRequest) -> "Placements":
         """The cached KV this method reuses, and the chunks it found or missed."""
 
+    @abstractmethod
     def start(self, adapter: "LlamaFamilyAdapter", seq: "FusedSequence", placed: "Placements") -> Selection:
         """This request's selection (active rows at layer 0, narrowed layer by layer), from what `place` returned."""
 

@@ -138,7 +138,7 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
     controller). A stored layer that fails to read mid-request drops that entry and the request runs again.
     """
     started = time.perf_counter()
-    if auto_ratio is not None and "recompute_ratio" not in {f.name for f in dataclasses.fields(policy)}:
+    if auto_ratio is not None and policy.recompute_ratio is None:
         raise ConfigError(f'recompute_ratio="auto" needs a method with a recompute ratio, not {policy.name!r}')
     for _ in range(len(request.chunks) + _EXTRA_READ_ATTEMPTS):
         try:
@@ -209,7 +209,7 @@ def _stats(run: _Run, chunks: list[Chunk], ttft: float, by_tier: dict[str, int])
     misses = set(placed.misses)
     hole_rows = sum(c.num_tokens for c in chunks if c.chunk_id in misses)
     recomputed = result.reused_rows_per_layer
-    ratio = getattr(run.policy, "recompute_ratio", None)
+    ratio = run.policy.recompute_ratio
     after = placed.prefix_rows
     chunk_rows = int((seq.cached[after:] & (seq.segment_of_row[after:] >= 0)).sum())
     return RequestStats(

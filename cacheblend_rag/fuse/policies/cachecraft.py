@@ -38,7 +38,7 @@ from ..guard import QualityGuard, check_guard_options
 from ..hkvd import hkvd_score, question_attention
 from ..loop import LayerView, LoopResult
 from ..placement import Placements
-from ..policy import FusionRequest, RowSelection
+from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence, Placement
 from ..variants import Variant, VariantStore, cci, token_digest, variant_kv_id
 
@@ -140,7 +140,7 @@ def _check_bool(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class CacheCraft:
+class CacheCraft(Policy):
     """Cache-Craft: variants of chunk caches, per-chunk budgets CFO = α·CCI·(1−β'), focused-chunk early stop."""
 
     alpha: float | None = None  # None: the calibrated α of this model (`cacheblend-rag calibrate`), else DEFAULT_ALPHA

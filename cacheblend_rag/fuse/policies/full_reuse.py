@@ -7,12 +7,12 @@ from typing import ClassVar
 
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..policy import FusionRequest, RowSelection
+from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence
 
 
 @dataclass(frozen=True)
-class FullReuse:
+class FullReuse(Policy):
     """Reuse every chunk's KV as is (re-positioned); compute only what is not cached."""
 
     name: ClassVar[str] = "full_reuse"

@@ -7,12 +7,12 @@ from typing import ClassVar
 
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..policy import FusionRequest, RowSelection
+from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence
 
 
 @dataclass(frozen=True)
-class PrefixCache:
+class PrefixCache(Policy):
     """Reuse the KV of the exact prefix (system prefix + first chunk), compute the rest."""
 
     name: ClassVar[str] = "prefix_cache"
