@@ -229,6 +229,9 @@ class KVStore(Protocol):
     def tiers(self) -> dict[str, Path | None]:
         """The tiers behind this store, fastest first, with their folder where they have one."""
 
+    def side_car_dir(self) -> Path | None:
+        """The one folder where files that go with this store live (chunk index, Cache-Craft variants), or None."""
+
     def entry_nbytes(self, key: KVKey) -> int | None:
         """Bytes the entry takes in its most durable tier (as stored: a file's size), or None if not stored."""
 

@@ -221,6 +221,10 @@ class DiskStore:
         """One tier, on the file system under root."""
         return {"disk": self.root}
 
+    def side_car_dir(self) -> Path | None:
+        """The store's root: side-car files live beside the entries, shared by every process using the folder."""
+        return self.root
+
     def entry_nbytes(self, key: KVKey) -> int | None:
         """The entry's file size, or None."""
         try:

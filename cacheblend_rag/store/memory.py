@@ -154,6 +154,10 @@ class MemoryStore:
         """One tier, in process memory."""
         return {"memory": None}
 
+    def side_car_dir(self) -> Path | None:
+        """None: process memory has no folder for side-car files."""
+        return None
+
     def entry_nbytes(self, key: KVKey) -> int | None:
         """Bytes of the held tensors, or None."""
         with self._lock:

@@ -321,6 +321,10 @@ class RedisStore:
         """One tier, in Redis."""
         return {"redis": None}
 
+    def side_car_dir(self) -> Path | None:
+        """None: Redis has no folder (side-car files go to a disk tier in front of it, if any)."""
+        return None
+
     def entry_nbytes(self, key: KVKey) -> int | None:
         """Redis's own count of the entry's memory (MEMORY USAGE), or None (missing, or Redis unavailable)."""
         try:

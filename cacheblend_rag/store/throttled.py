@@ -153,6 +153,10 @@ class ThrottledStore:
         """One tier, named `name`."""
         return {self.name: None}
 
+    def side_car_dir(self) -> Path | None:
+        """None: a simulated remote tier has no local folder."""
+        return None
+
     def entry_nbytes(self, key: KVKey) -> int | None:
         """Stored bytes of the entry in the inner store."""
         return self.inner.entry_nbytes(key)

@@ -160,6 +160,14 @@ class TieredStore:
             merged.update(store.tiers())
         return merged
 
+    def side_car_dir(self) -> Path | None:
+        """The first tier's folder that has one (the disk tier's, in the usual memory → disk → Redis chain)."""
+        for store in self.stores:
+            folder = store.side_car_dir()
+            if folder is not None:
+                return folder
+        return None
+
     def entry_nbytes(self, key: KVKey) -> int | None:
         """As the slowest (most durable) tier stores it; None if that tier does not hold it (a copy kept only in
         a faster tier is not stored)."""

@@ -182,6 +182,11 @@ class CacheCraft(Policy):
             raise ConfigError(f"variant_budget_mb must be a number ≥ 0, got {b!r}")
         check_guard_options(self.guard, self.guard_ratio)
 
+    @classmethod
+    def neighbor_variants(cls) -> "CacheCraft":
+        """The policy ingestion runs to store a chunk computed after its neighbours: the last chunk in full, no focus."""
+        return cls(compute_last=True, use_focus=False)
+
     def resolved_alpha(self, cache) -> float:
         """α: as given, else calibrated for the cache's model, device and dtype, else DEFAULT_ALPHA."""
         if self.alpha is not None:
@@ -193,7 +198,7 @@ class CacheCraft(Policy):
     def place(self, cache, request: FusionRequest) -> Placements:
         """The exact prefix, then per chunk the variant with the lowest CFO (missing chunks are holes)."""
         alpha = self.resolved_alpha(cache)
-        variants = VariantStore.for_store(cache.store)
+        variants = cache.variants
         ns = cache.namespace
         prefix = request.prefix_ids
         out = CraftPlacements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else [])
