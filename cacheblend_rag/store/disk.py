@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from ..errors import ConfigError, KVWriteError
-from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
+from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, token_ids_digest
 from .codecs import CODECS, KVCodec, RawCodec, get_codec
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
     return bool((torch.isfinite(src.to(cast.device)) & ~torch.isfinite(cast)).any())
 
 
-class DiskStore:
+class DiskStore(KVStore):
     """KV entries as `root/<namespace>/<chunk_id[:2]>/<chunk_id>.safetensors`.
 
     Every read is validated (header, key, token digest, per-tensor crc32, shapes, and the codec's own
@@ -617,7 +617,7 @@ class DiskStore:
             logger.debug("evicted %s from disk cache", oldest)
 
 
-class DiskReader:
+class DiskReader(LayerReader):
     """One stored entry, opened once per request: header and token ids checked at open, each layer crc-checked
     as it is read. A bad layer quarantines the file and raises LayerReadError (the caller recomputes the chunk)."""
 
