@@ -1,4 +1,4 @@
-"""Cache-Craft (fuse/policies/cachecraft.py, fuse/variants.py): equations, variants, robustness, stats."""
+"""Cache-Craft (fuse/policies/cachecraft/, fuse/variants.py): equations, variants, robustness, stats."""
 
 from __future__ import annotations
 
@@ -237,11 +237,10 @@ def test_two_processes_add_variants_of_one_chunk(tmp_path):
 
 
 def test_calibrated_alpha_is_the_default(engine, tmp_path, monkeypatch):
-    from cacheblend_rag.bench.calibrate import calibrate, store_calibration
+    from cacheblend_rag.fuse.policies.cachecraft import calibrate, store_calibration
 
     monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path))
-    item = {"question": QUESTION, "ctxs": [{"title": "", "text": t} for t in TEXTS]}
-    result = calibrate(engine, [item], target_kl=1e9, alphas=(0.2, 0.9), num_chunks=3)
+    result = calibrate(engine, [(QUESTION, TEXTS)], target_kl=1e9, alphas=(0.2, 0.9), num_chunks=3)
     assert result["alpha"] == 0.2 and result["met"]  # any KL meets a huge target: the smallest α
     assert [row["alpha"] for row in result["table"]] == [0.2, 0.9]
     assert engine.prefill(TEXTS, QUESTION, "cachecraft").stats["cachecraft"]["alpha"] == DEFAULT_ALPHA  # none yet

@@ -1,135 +1,48 @@
-"""Cache-Craft (§3): per-chunk recompute budgets from stored variants, and focused-chunk early termination.
+"""Cache-Craft's policy and selection: per chunk the cheapest variant and its budget, then per layer the budget's
+rows, HKVD within budgets, the focused-chunk early stop, and the attention metadata of new variants.
 
 Per chunk of a request, among its stored variants (the isolated ingestion precompute and any KV computed after
-other chunks, `fuse/variants.py`):
-
-    β   prefix overlap (eq. 6)      share of the variant's inter-attention that went to chunks also before it now
-    γ   order penalty (eq. 7)       normalized Kendall tau distance between the old and new order of those chunks
-    β'  = β · (1 − γ)               (eq. 8)
-    CFO = α · CCI · (1 − β')        (eq. 12), clipped to [0, 1]
-
-the variant with the lowest CFO is placed and the top ⌈CFO · |C|⌉ of its tokens are recomputed: by the variant's
-stored inter-attention ranking (eq. 14, no check layer), or by this engine's question-weighted HKVD at layer 1
-within the chunk's budget (`token_choice="hkvd"`). Per layer the question's attention to each chunk is
-accumulated; once the set of high-attention chunks (Algorithm 1) is the same for `focus_window` layers, the
-other chunks' rows stop being recomputed (§3.2.2). Chunks computed in full in context (holes, a budget of every
-token) are stored as new variants after the first token, with their attention metadata; variants beyond a byte
-budget are evicted by usefulness (f_r += 1/CFO per use, lowest first, §3.3).
+other chunks, `fuse/variants.py`), the variant with the lowest CFO (`equations.py`) is placed and the top
+⌈CFO · |C|⌉ of its tokens are recomputed: by the variant's stored inter-attention ranking (eq. 14, no check
+layer), or by this engine's question-weighted HKVD at layer 1 within the chunk's budget (`token_choice="hkvd"`).
+Per layer the question's attention to each chunk is accumulated; once the set of high-attention chunks
+(Algorithm 1) is the same for `focus_window` layers, the other chunks' rows stop being recomputed (§3.2.2). Chunks
+computed in full in context (holes, a budget of every token) are stored as new variants after the first token,
+with their attention metadata; variants beyond a byte budget are evicted by usefulness (f_r += 1/CFO per use,
+lowest first, §3.3).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from ... import settings
-from ...errors import ConfigError
-from ...ingest.chunks import Chunk
-from ...models.adapter import LlamaFamilyAdapter
-from ...store import ChunkKV, LayerReader
-from ..guard import QualityGuard, check_guard_options
-from ..hkvd import hkvd_score, question_attention
-from ..loop import LayerView, LoopResult
-from ..placement import Placements
-from ..policy import FusionRequest, Policy, RowSelection
-from ..sequence import FusedSequence, Placement
-from ..variants import Variant, VariantStore, cci, token_digest, variant_kv_id
+from ....errors import ConfigError
+from ....ingest.chunks import Chunk
+from ....models.adapter import LlamaFamilyAdapter
+from ....store import ChunkKV, LayerReader
+from ...guard import QualityGuard, check_guard_options
+from ...hkvd import hkvd_score, question_attention
+from ...loop import LayerView, LoopResult
+from ...placement import Placements
+from ...policy import FusionRequest, Policy, RowSelection
+from ...sequence import FusedSequence, Placement
+from ...variants import Variant, VariantStore, cci, token_digest, variant_kv_id
+from .equations import (DEFAULT_ALPHA, cache_fix_overhead, calibrated_alpha, focused_chunks, order_penalty,
+                        prefix_overlap)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ALPHA = 0.5  # without a calibration (`cacheblend-rag calibrate`); see docs/design.md "Cache-Craft"
 TOKEN_CHOICES = ("ranking", "hkvd")
 FIRST_USES = ("reuse", "full")
 CHECK_LAYER = 1  # token_choice="hkvd": where deviations are measured (layer 0's K/V see no context)
 # Variant metadata (inter/intra attention, ranking) from every third layer: the paper averages over layers, and
 # measuring all 30 after the first token cost ≈ 3× the request's own prefill on a 2-core CPU.
 METADATA_EVERY = 3
-
-
-# ---- the equations ------------------------------------------------------------------------------
-
-def _first_order(ids) -> list[str]:
-    seen: dict[str, None] = {}
-    for c in ids:
-        seen.setdefault(c, None)
-    return list(seen)
-
-
-def prefix_overlap(inter: dict[str, float], old: Sequence[str], new: Sequence[str]) -> float:
-    """β (eq. 6): Σ_{j ∈ old ∩ new} inter(C, j) / Σ_{j ∈ old} inter(C, j); 0 when the old prefix drew none."""
-    old_set, new_set = set(old), set(new)
-    total = sum(inter.get(j, 0.0) for j in old_set)
-    if total <= 0:
-        return 0.0
-    return sum(inter.get(j, 0.0) for j in old_set & new_set) / total
-
-
-def order_penalty(old: Sequence[str], new: Sequence[str]) -> float:
-    """γ (eq. 7): discordant pairs / C(m, 2) between the shared chunks' old and new orders (0 when m < 2)."""
-    shared = set(old) & set(new)
-    a_old = [c for c in _first_order(old) if c in shared]
-    rank_new = {c: i for i, c in enumerate(c for c in _first_order(new) if c in shared)}
-    m = len(a_old)
-    if m < 2:
-        return 0.0
-    ranks = [rank_new[c] for c in a_old]
-    discordant = sum(1 for i in range(m) for j in range(i + 1, m) if ranks[i] > ranks[j])
-    return discordant / (m * (m - 1) / 2)
-
-
-def cache_fix_overhead(alpha: float, context_impact: float, beta_adjusted: float) -> float:
-    """CFO (eq. 12): α · CCI · (1 − β'), clipped to [0, 1] (1: recompute every token)."""
-    return min(1.0, max(0.0, alpha * context_impact * (1.0 - beta_adjusted)))
-
-
-def focused_chunks(cumulative: list[float]) -> set[int]:
-    """Algorithm 1, lines 4–9: the high-attention chunks by the entropy of the gaps in sorted attention."""
-    k = len(cumulative)
-    order = sorted(range(k), key=lambda i: -cumulative[i])
-    if k < 3:
-        return set(order)
-    s = [cumulative[i] for i in order]
-    diff = [s[i] - s[i + 1] for i in range(k - 1)]
-    total = sum(diff)
-    if total <= 0:
-        return set(order)
-    p = [d / total for d in diff]
-    terms = [-x * math.log(x) if x > 0 else 0.0 for x in p]
-    # h_i = Σ_{j≤i} terms_j (1-indexed); i* = argmax_{i ∈ [k−2]} h_{i+1} − h_i = argmax terms_{i+1}; F = top i*
-    best = max(range(1, k - 1), key=lambda i: (terms[i], -i))  # terms[i] is term i+1 (1-indexed): i* = i
-    return set(order[:best])
-
-
-# ---- calibrated α -------------------------------------------------------------------------------
-
-def calibration_path(fingerprint: str, device_type: str, dtype: torch.dtype,
-                     home: str | Path | None = None) -> Path:
-    """Where `cacheblend-rag calibrate` keeps α for a model, device and dtype (beside its loading profile)."""
-    name = str(dtype).removeprefix("torch.")
-    return settings.home_dir(home) / "profiles" / f"{fingerprint}-{device_type}-{name}.cachecraft.json"
-
-
-def calibrated_alpha(fingerprint: str, device_type: str, dtype: torch.dtype,
-                     home: str | Path | None = None) -> float | None:
-    """The calibrated α stored for this model, device and dtype, or None (missing or unreadable: logged)."""
-    path = calibration_path(fingerprint, device_type, dtype, home)
-    if not path.is_file():
-        return None
-    try:
-        alpha = float(json.loads(path.read_text())["alpha"])
-        if not math.isfinite(alpha) or alpha < 0:
-            raise ValueError(f"alpha {alpha}")
-        return alpha
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        logger.warning("the Cache-Craft calibration %s is unreadable (%s); using alpha=%s", path, e, DEFAULT_ALPHA)
-        return None
 
 
 # ---- the policy -------------------------------------------------------------------------------
@@ -184,7 +97,7 @@ class CacheCraft(Policy):
 
     @classmethod
     def neighbor_variants(cls) -> "CacheCraft":
-        """The policy ingestion runs to store a chunk computed after its neighbours: the last chunk in full, no focus."""
+        """What ingestion runs to store a chunk computed after its neighbours: the last chunk in full, no focus."""
         return cls(compute_last=True, use_focus=False)
 
     def resolved_alpha(self, cache) -> float:
