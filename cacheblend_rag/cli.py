@@ -714,8 +714,8 @@ def _add_calibrate(subparsers) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from .bench.calibrate import ALPHAS, calibrate, store_calibration
-    from .bench.datasets import load_dataset, resolve_dataset
+    from .bench.datasets import load_dataset, passages_of, resolve_dataset
+    from .fuse.policies.cachecraft import ALPHAS, calibrate, store_calibration
     from .engine import CacheBlendEngine
 
     if not (args.target_kl > 0 and math.isfinite(args.target_kl)):
@@ -735,7 +735,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     # a private memory store: the calibration's requests must not leave variants in the user's KV store
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=None, device=args.device, dtype=args.dtype,
                                               home=args.home, **model_options(args))
-    result = calibrate(engine, items, args.target_kl, alphas=alphas, num_chunks=args.chunks)
+    questions = [(item["question"], passages_of(item, None)) for item in items]
+    result = calibrate(engine, questions, args.target_kl, alphas=alphas, num_chunks=args.chunks)
     path = None if args.dry_run else store_calibration(engine, result, args.home)
     if args.json:
         print(json.dumps({**result, "path": str(path) if path else None}))

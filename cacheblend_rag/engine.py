@@ -28,10 +28,11 @@ from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
 from .fuse.placement import Placements
-from .fuse.policies import make_policy
+from .fuse.policies import CacheCraft, make_policy
 from .fuse.policy import FusionRequest, Policy
 from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_chunks
 from .fuse.sequence import FusedSequence
+from .fuse.variants import VariantStore
 from .ingest.chunks import Chunk, chunk_id, looks_like_chunk_id, make_chunk
 from .ingest.index import ChunkIndex, normalize_prompt_map
 from .ingest.learner import PassageLearner
@@ -138,17 +139,18 @@ class CacheBlendEngine:
         # prefix_store: where they live, any store spec (a shared disk folder or Redis lets a conversation move
         # between replicas); by default a memory tier of its own, LRU-bounded by DEFAULT_PREFIX_BYTES
         prefixes = MemoryStore(DEFAULT_PREFIX_BYTES) if prefix_store is None else open_store(prefix_store)
+        self.variants = VariantStore.beside(self.kv_store)  # Cache-Craft's variants, handed to policies by the cache
         self.cache = ChunkCache(self.adapter, self.kv_store, self.fingerprint, self._lead_in_ids(lead_in),
                                 prefetch_depth, prefix_block=PREFIX_BLOCK if prefix_reuse else 0,
-                                prefix_store=prefixes)
+                                prefix_store=prefixes, variants=self.variants)
         self._warned_keep = False
         self.quality_floor = quality_floor  # r*: recompute_ratio="auto" never goes below it
         self.home = home
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         self.chunks = ChunkRegistry(max_known_chunks)
         if not isinstance(chunk_index, ChunkIndex):
-            disk = self.kv_store.tiers().get("disk")
-            path = chunk_index if chunk_index is not None else (disk / CHUNK_INDEX_FILE if disk else None)
+            folder = self.kv_store.side_car_dir()
+            path = chunk_index if chunk_index is not None else (folder / CHUNK_INDEX_FILE if folder else None)
             chunk_index = ChunkIndex(path)
         self.index = chunk_index  # finds stored chunks inside any prompt (generate_prompt, stream_prompt)
         self._controller: LoadingController | None = None
@@ -266,16 +268,18 @@ class CacheBlendEngine:
             return 0
         texts = [self.resolve_chunk(c).text for c in ids]
         vectors = torch.as_tensor((embed or default_embed)(texts), dtype=torch.float32)
+        policy = CacheCraft.neighbor_variants()
         stored = 0
         for i, near in enumerate(tqdm(nearest_neighbors(vectors, k), desc="neighbour variants", unit="chunk",
                                       disable=not show_progress)):
             for start in range(len(near)):  # too long for the window: the least similar neighbour goes first
-                try:
-                    pre = self.prefill([*(ids[j] for j in near[start:]), ids[i]], NEIGHBOR_QUESTION, "cachecraft",
-                                       compute_last=True, use_focus=False)
-                except PromptTooLongError:
-                    continue
-                stored += int(pre.stats["cachecraft"]["variants_stored"])
+                with self._lock:  # no other request adds variants between the two counts
+                    before = self.variants.num_added
+                    try:
+                        self.prefill([*(ids[j] for j in near[start:]), ids[i]], NEIGHBOR_QUESTION, policy)
+                    except PromptTooLongError:
+                        continue
+                    stored += self.variants.num_added - before
                 break
         return stored
 

@@ -7,6 +7,7 @@ import torch
 
 from cacheblend_rag import UnsupportedModelError
 from cacheblend_rag.fuse.loop import run_layers
+from cacheblend_rag.fuse.placement import Placements
 from cacheblend_rag.fuse.policies import FullPrefill
 from cacheblend_rag.fuse.sequence import FusedSequence
 from cacheblend_rag.models.adapter import get_adapter
@@ -18,7 +19,7 @@ def _adapter_logits(model, ids: torch.Tensor) -> torch.Tensor:
     adapter = get_adapter(model)
     seq = FusedSequence(ids, torch.full_like(ids, -1), [], adapter.num_layers, adapter.num_kv_heads,
                         adapter.head_dim, adapter.dtype)
-    selection = FullPrefill().start(adapter, seq)
+    selection = FullPrefill().start(adapter, seq, Placements())
     result = run_layers(adapter, seq, selection)
     return adapter.logits(result.hidden)
 

@@ -1,4 +1,4 @@
-"""Cache-Craft (fuse/policies/cachecraft.py, fuse/variants.py): equations, variants, robustness, stats."""
+"""Cache-Craft (fuse/policies/cachecraft/, fuse/variants.py): equations, variants, robustness, stats."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_random_tokens_ablation_keeps_the_budget(engine):
 
 
 def _variant_rows(engine) -> tuple[VariantStore, list[tuple]]:
-    variants = VariantStore.for_store(engine.kv_store)
+    variants = engine.variants
     db = sqlite3.connect(variants.path)
     try:
         return variants, db.execute("SELECT chunk_id, kv_id FROM variants").fetchall()
@@ -161,8 +161,7 @@ def test_corrupt_row_and_lost_variant_kv_degrade(engine):
 def test_locked_database_degrades_to_no_variants(engine):
     engine.prefill(TEXTS, QUESTION, "cachecraft")
     variants, _ = _variant_rows(engine)
-    variants._local.db.close()  # this thread reconnects, as a new process would, while another holds the lock
-    del variants._local.db
+    variants.close()  # it reconnects, as a new process would, while another holds the lock
     blocker = sqlite3.connect(variants.path, isolation_level=None)
     try:
         blocker.execute("PRAGMA locking_mode = EXCLUSIVE")
@@ -238,11 +237,10 @@ def test_two_processes_add_variants_of_one_chunk(tmp_path):
 
 
 def test_calibrated_alpha_is_the_default(engine, tmp_path, monkeypatch):
-    from cacheblend_rag.bench.calibrate import calibrate, store_calibration
+    from cacheblend_rag.fuse.policies.cachecraft import calibrate, store_calibration
 
     monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path))
-    item = {"question": QUESTION, "ctxs": [{"title": "", "text": t} for t in TEXTS]}
-    result = calibrate(engine, [item], target_kl=1e9, alphas=(0.2, 0.9), num_chunks=3)
+    result = calibrate(engine, [(QUESTION, TEXTS)], target_kl=1e9, alphas=(0.2, 0.9), num_chunks=3)
     assert result["alpha"] == 0.2 and result["met"]  # any KL meets a huge target: the smallest α
     assert [row["alpha"] for row in result["table"]] == [0.2, 0.9]
     assert engine.prefill(TEXTS, QUESTION, "cachecraft").stats["cachecraft"]["alpha"] == DEFAULT_ALPHA  # none yet
@@ -298,7 +296,7 @@ def test_ingest_neighbor_variants_are_reused_when_the_neighbours_come_first(engi
 
     ids = engine.ingest(TEXTS, variants="neighbors", neighbors=2, embed=_bag_of_words, show_progress=False)
     near = nearest_neighbors(torch.tensor(_bag_of_words(TEXTS)), 2)
-    variants = VariantStore.for_store(engine.kv_store)
+    variants = engine.variants
     for i, cid in enumerate(ids):
         contexts = [v.context for v in variants.lookup(engine.namespace, cid)]
         assert tuple(ids[j] for j in near[i]) in contexts  # computed after its two nearest, least similar first
@@ -345,3 +343,29 @@ def test_cachecraft_guard_reads_zero_when_nothing_reused_stays_stale(engine):
         make_policy("cachecraft", guard=-1)
     with pytest.raises(ConfigError, match="guard_ratio"):
         make_policy("cachecraft", guard_ratio=0.5)  # an escalation without a threshold
+
+
+def test_side_car_files_live_in_the_folder_the_store_declares(tmp_path):
+    """Variants' metadata goes where the store says side-car files go: the disk tier's folder, else a private
+    temporary database (a memory-only or Redis-only store has no folder)."""
+    from cacheblend_rag.fuse.variants import VARIANTS_FILE
+    from cacheblend_rag.store import MemoryStore, TieredStore
+
+    disk = DiskStore(tmp_path / "kv")
+    tiered = TieredStore(MemoryStore(), disk)
+    assert disk.side_car_dir() == tiered.side_car_dir() == disk.root and MemoryStore().side_car_dir() is None
+    assert VariantStore.beside(tiered).path == disk.root / VARIANTS_FILE
+    private = VariantStore.beside(MemoryStore())
+    assert tmp_path not in private.path.parents and private.path.name == VARIANTS_FILE
+    assert private.lookup("ns", "c" * 32) == [] and private.path.is_file()
+
+
+def test_the_engine_owns_its_variant_store(tokenizer, tmp_path):
+    """One VariantStore per engine, beside its disk tier with the chunk index, and the one the policy stores into."""
+    engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, kv_store=tmp_path / "kv")
+    folder = engine.kv_store.side_car_dir()
+    assert folder is not None and engine.variants.path.parent == folder
+    assert engine.index.path == folder / "chunk-index.sqlite"  # the chunk index takes its folder from there too
+    engine.prefill(TEXTS, QUESTION, "cachecraft", first_use="full")
+    stored = [v for c in engine.ingest(TEXTS, show_progress=False) for v in engine.variants.lookup(engine.namespace, c)]
+    assert stored and engine.variants.num_added == len(stored)

@@ -141,8 +141,8 @@ def test_hkvd_selection_does_real_work(engine, three):
             return super().select(torch.where(torch.isinf(score), score, -score), seq, ratio)
 
     class LowestDeviation(CacheBlend):
-        def start(self, adapter, seq):
-            selection = super().start(adapter, seq)
+        def start(self, adapter, seq, placed):
+            selection = super().start(adapter, seq, placed)
             assert isinstance(selection, HKVDSelection)  # 0.15 of reused rows: a real selection
             return LowestSelection(**vars(selection))
 

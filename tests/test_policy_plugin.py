@@ -10,7 +10,7 @@ import pytest
 
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.fuse.policies import POLICIES, FullReuse, register_policy
-from cacheblend_rag.fuse.policy import RowSelection
+from cacheblend_rag.fuse.policy import Policy, RowSelection
 from conftest import tiny_model
 
 pytestmark = pytest.mark.model  # the tiny model borrows the real SmolLM2 tokenizer
@@ -21,7 +21,7 @@ QUESTION = "Where does the river Lune reach the sea?"
 
 
 @dataclass(frozen=True)
-class ReuseButFirst:
+class ReuseButFirst(Policy):
     """A plugin's policy: full reuse, but the first `extra` reused rows are recomputed in every layer."""
 
     extra: int = 0
@@ -31,7 +31,7 @@ class ReuseButFirst:
         """What full reuse places."""
         return FullReuse().place(cache, request)
 
-    def start(self, adapter, seq):
+    def start(self, adapter, seq, placed):
         """Uncached rows, and the first `extra` reused ones."""
         active = ~seq.cached
         active[seq.reused.nonzero().squeeze(1)[: self.extra]] = True
@@ -67,6 +67,17 @@ def test_register_policy_refuses_a_clash_and_a_non_policy(plugin):
         register_policy(Other)
     with pytest.raises(ConfigError, match="dataclass with a `name`"):
         register_policy(object)
+
+    @dataclass(frozen=True)
+    class Undeclared:  # place and start, but not the Policy base that declares what the prefill asks of it
+        name: ClassVar[str] = "undeclared"
+
+        def place(self, cache, request):
+            return FullReuse().place(cache, request)
+
+    with pytest.raises(ConfigError, match="must subclass cacheblend_rag.fuse.policy.Policy"):
+        register_policy(Undeclared)
+    assert "undeclared" not in POLICIES
 
 
 def test_the_engine_takes_the_method_and_its_option(plugin, engine):

@@ -19,7 +19,7 @@ from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.fuse import placement
 from cacheblend_rag.fuse.loop import LayerView
 from cacheblend_rag.fuse.policies import METHODS, POLICIES, make_policy
-from cacheblend_rag.fuse.policy import RowSelection
+from cacheblend_rag.fuse.policy import Policy, RowSelection
 from cacheblend_rag.store import DiskStore
 
 from conftest import REPO, tiny_model
@@ -70,7 +70,7 @@ def test_no_code_above_the_store_asks_a_store_for_its_type():
 
 
 @dataclass(frozen=True)
-class EveryOtherRow:
+class EveryOtherRow(Policy):
     """A policy written outside the package: reuse every chunk, recompute every other reused row from layer 1."""
 
     name: ClassVar[str] = "every_other_row"
@@ -80,7 +80,7 @@ class EveryOtherRow:
         placed.report["every_other_row"] = {"placed": len(placed.placements)}
         return placed
 
-    def start(self, adapter, seq):
+    def start(self, adapter, seq, placed):
         return _EveryOther(~seq.exact, full_layers=1)
 
 

@@ -6,7 +6,7 @@ import re
 import string
 from collections import Counter
 
-import torch
+from ..fuse.fidelity import first_token_kl  # noqa: F401 - the package's own measure, re-exported for the bench
 
 
 def normalize_answer(text: str) -> str:
@@ -52,11 +52,6 @@ def rouge_l(prediction: str, reference: str) -> float:
     return 2 * p * r / (p + r)
 
 
-def first_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(reference ‖ other) of the next-token distributions."""
-    ref = reference_logits.float().log_softmax(-1)
-    other = logits.float().log_softmax(-1)
-    return float((ref.exp() * (ref - other)).sum())
 
 
 def percentile(values: list[float], q: float) -> float:

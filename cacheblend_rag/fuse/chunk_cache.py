@@ -25,6 +25,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..errors import KVWriteError
@@ -34,6 +36,9 @@ from ..store import ChunkKV, KVKey, KVStore, LayerReader, ResidentReader, Sliced
 from .loop import run_layers
 from .policy import RowSelection
 from .sequence import FusedSequence, Placement
+
+if TYPE_CHECKING:  # typing only: variants.py imports this module
+    from .variants import VariantStore
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +79,10 @@ class ChunkCache:
 
     def __init__(self, adapter: LlamaFamilyAdapter, store: KVStore, fingerprint: str, lead_in_ids: Sequence[int],
                  prefetch_depth: int = 0, prefix_block: int = PREFIX_BLOCK,
-                 prefix_store: KVStore | None = None) -> None:
+                 prefix_store: KVStore | None = None, *, variants: "VariantStore") -> None:
         self.adapter = adapter
         self.store = store
+        self.variants = variants  # chunk KV computed after other chunks (Cache-Craft): the engine's, handed to policies
         self.fingerprint = fingerprint
         self.lead_in_ids = list(lead_in_ids)
         self.namespace = self.namespace_for(self.lead_in_ids)

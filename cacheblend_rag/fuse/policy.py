@@ -1,7 +1,8 @@
 """What a policy is: where its cached KV comes from (`place`) and which rows each layer computes (`start`).
 
     policy.place(cache, request) -> Placements      which cached KV goes where; hits, misses, holes to store
-    policy.start(adapter, seq)   -> Selection        per request: rows active at layer 0, `keep(view)` per layer
+    policy.start(adapter, seq, placed) -> Selection  per request: rows active at layer 0, `keep(view)` per layer
+                                                     (`placed` is what `place` returned: its plan, by value)
 
 The one layer loop (`fuse.loop.run_layers`) drives the selection; no policy runs a loop of its own.
 A new policy is one module in `fuse/policies/` plus one line in its registry.
@@ -9,8 +10,9 @@ A new policy is one module in `fuse/policies/` plus one line in its registry.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -38,16 +40,24 @@ class FusionRequest:
         return self.layout.token_ids[: self.layout.prefix_len].tolist()
 
 
-class Policy(Protocol):
-    """A token-selection method: a frozen dataclass of hyper-parameters."""
+class Policy(ABC):
+    """A token-selection method: a frozen dataclass of hyper-parameters that subclasses this.
+
+    What the prefill may ask of any policy is declared here, with its default, so nothing probes for it.
+    """
 
     name: ClassVar[str]
+    # The share of reused rows the method recomputes, if it has one (CacheBlend's is a dataclass field that
+    # overrides this). None: no ratio, and recompute_ratio="auto" is refused for the method.
+    recompute_ratio: float | None = None
 
+    @abstractmethod
     def place(self, cache: "ChunkCache", request: FusionRequest) -> "Placements":
         """The cached KV this method reuses, and the chunks it found or missed."""
 
-    def start(self, adapter: "LlamaFamilyAdapter", seq: "FusedSequence") -> Selection:
-        """This request's selection: active rows at layer 0, narrowed layer by layer."""
+    @abstractmethod
+    def start(self, adapter: "LlamaFamilyAdapter", seq: "FusedSequence", placed: "Placements") -> Selection:
+        """This request's selection (active rows at layer 0, narrowed layer by layer), from what `place` returned."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
     placements = policy.place(cache, request)        which stored KV goes where (readers opened once)
     seq        = cache.sequence(layout, placements)  rows, cached / exact / reused masks, a per-layer loader
-    selection  = policy.start(adapter, seq)
+    selection  = policy.start(adapter, seq, placements)
     result     = run_layers(adapter, seq, selection) the one layer loop
     logits     = adapter.logits(last row)            → first token; TTFT ends here
     placements.close()                               readers released (a tier may promote what was read)
@@ -138,7 +138,7 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
     controller). A stored layer that fails to read mid-request drops that entry and the request runs again.
     """
     started = time.perf_counter()
-    if auto_ratio is not None and "recompute_ratio" not in {f.name for f in dataclasses.fields(policy)}:
+    if auto_ratio is not None and policy.recompute_ratio is None:
         raise ConfigError(f'recompute_ratio="auto" needs a method with a recompute ratio, not {policy.name!r}')
     for _ in range(len(request.chunks) + _EXTRA_READ_ATTEMPTS):
         try:
@@ -184,7 +184,7 @@ def _run(cache: ChunkCache, policy: Policy, request: FusionRequest, auto_ratio: 
             policy = dataclasses.replace(policy, recompute_ratio=decision.recompute_ratio)
         try:
             layers_started = time.perf_counter()
-            selection = policy.start(adapter, seq)
+            selection = policy.start(adapter, seq, placed)
             result = run_layers(adapter, seq, selection, num_output_rows=1)
             if result.output_rows is None or int(result.output_rows[-1]) != seq.num_rows - 1:
                 raise RuntimeError("the last prompt row was not computed; a policy dropped it")
@@ -209,7 +209,7 @@ def _stats(run: _Run, chunks: list[Chunk], ttft: float, by_tier: dict[str, int])
     misses = set(placed.misses)
     hole_rows = sum(c.num_tokens for c in chunks if c.chunk_id in misses)
     recomputed = result.reused_rows_per_layer
-    ratio = getattr(run.policy, "recompute_ratio", None)
+    ratio = run.policy.recompute_ratio
     after = placed.prefix_rows
     chunk_rows = int((seq.cached[after:] & (seq.segment_of_row[after:] >= 0)).sum())
     return RequestStats(

@@ -4,8 +4,9 @@ A variant is keyed by the chunk id and the exact tokens before it (their digest)
 KVStore as every chunk KV, under a derived chunk id in the same namespace (keys before RoPE, like all stored KV).
 Its metadata — the chunks before it (ids, in order), inter-attention to each, intra-attention, CCI (eq. 11), the
 chunk's tokens ranked by inter-attention, the usefulness f_r and its size — lives in SQLite (WAL mode, busy
-timeout) beside the disk tier (`<kv>/cachecraft-variants.sqlite`, like the chunk index), so every process
-serving the same store sees the same variants. A memory-only store gets a temporary database of its own.
+timeout) in the store's side-car folder (`KVStore.side_car_dir()`: the disk tier's, beside the chunk index), so
+every process serving the same store sees the same variants. A store without a folder gets a temporary database of
+its own. The engine owns one VariantStore and hands it to the policies through its ChunkCache.
 
 Nothing here can fail a request: an unreadable row is no variant, a locked database is waited on briefly then
 read as "no variants", and a variant whose KV is gone is forgotten when it is found missing.
@@ -22,7 +23,6 @@ import sqlite3
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,47 +112,61 @@ class VariantStore:
 
     def __init__(self, store: KVStore, path: str | Path | None) -> None:
         self.store = store
-        self._tmp = None
-        if path is None:  # a memory-only store: a private database that goes with this object
-            self._tmp = tempfile.TemporaryDirectory(prefix="cachecraft-")
-            path = Path(self._tmp.name) / VARIANTS_FILE
-        self.path = Path(path)
-        self._local = threading.local()
+        self._path = None if path is None else Path(path)
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        # One connection shared by the threads that use this object (the engine serialises requests), each
+        # statement under the lock: SQLite connections are not to be used by two threads at once.
+        self._lock = threading.RLock()
+        self._conn: sqlite3.Connection | None = None
         self._warned = False
         self._skip_until = 0.0
+        self.num_added = 0  # variants this object stored (KV and row), for callers that count what a request kept
 
     @classmethod
-    def for_store(cls, store: KVStore) -> "VariantStore":
-        """The variant store beside `store`'s disk tier (one object per store and process)."""
-        with _LOCK:
-            found = _BY_STORE.get(store)
-            if found is None:
-                disk = store.tiers().get("disk")
-                found = cls(store, Path(disk) / VARIANTS_FILE if disk else None)
-                _BY_STORE[store] = found
-            return found
+    def beside(cls, store: KVStore) -> "VariantStore":
+        """A variant store in `store`'s side-car folder (a private temporary database when it has none)."""
+        folder = store.side_car_dir()
+        return cls(store, None if folder is None else folder / VARIANTS_FILE)
+
+    @property
+    def path(self) -> Path:
+        """The SQLite file (a private temporary one, made on first use, for a store without a folder)."""
+        with self._lock:
+            if self._path is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="cachecraft-")
+                self._path = Path(self._tmp.name) / VARIANTS_FILE
+            return self._path
+
+    def close(self) -> None:
+        """Close the database connection (the next use opens a new one)."""
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     # ---- database -----------------------------------------------------------------------
 
-    def _db(self, timeout_s: float) -> sqlite3.Connection:
+    def _execute(self, sql: str, args: tuple, timeout_s: float) -> list[tuple]:
+        """One statement on the shared connection (opened on first use), waiting up to `timeout_s` for a lock."""
         if time.monotonic() < self._skip_until:  # locked a moment ago: don't make every chunk wait again
             raise sqlite3.OperationalError("database is locked (backing off)")
-        db = getattr(self._local, "db", None)
-        if db is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
-            try:
-                db.execute("PRAGMA journal_mode = WAL")
-                db.executescript(_SCHEMA)
-            except sqlite3.Error:
-                db.close()
-                raise
-            self._local.db = db
-        db.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
-        return db
+        with self._lock:
+            if self._conn is None:
+                path = self.path
+                path.parent.mkdir(parents=True, exist_ok=True)
+                db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None, check_same_thread=False)
+                try:
+                    db.execute("PRAGMA journal_mode = WAL")
+                    db.executescript(_SCHEMA)
+                except sqlite3.Error:
+                    db.close()
+                    raise
+                self._conn = db
+            self._conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
+            return self._conn.execute(sql, args).fetchall()
 
     def _read(self, sql: str, args: tuple) -> list[tuple]:
-        return self._db(BUSY_TIMEOUT_S).execute(sql, args).fetchall()
+        return self._execute(sql, args, BUSY_TIMEOUT_S)
 
     def _write(self, sql: str, args: tuple, timeout_s: float = WRITE_TIMEOUT_S) -> None:
         # SQLite answers some contention without calling its busy handler (a WAL snapshot gone stale, the WAL
@@ -161,7 +175,7 @@ class VariantStore:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self._db(timeout_s).execute(sql, args)
+                self._execute(sql, args, timeout_s)
                 return
             except sqlite3.OperationalError as e:
                 if not _locked(e) or "backing off" in str(e) or time.monotonic() + 0.05 > deadline:
@@ -257,6 +271,8 @@ class VariantStore:
         except (sqlite3.Error, OSError) as e:
             self._degraded("insert", e)
             return False
+        with self._lock:
+            self.num_added += 1
         return True
 
     def evict(self, namespace: str, budget_bytes: int) -> list[str]:
@@ -299,6 +315,3 @@ def _parse(chunk_id: str, row: tuple) -> Variant:
     return Variant(chunk_id, kv_id, tuple(ctx), str(lead_digest), n, inter_f, float(intra), float(cci_value),
                    rank or None, int(nbytes), float(f_r))
 
-
-_LOCK = threading.Lock()
-_BY_STORE: "weakref.WeakKeyDictionary[KVStore, VariantStore]" = weakref.WeakKeyDictionary()

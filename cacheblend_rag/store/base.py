@@ -1,12 +1,17 @@
 """What the KV store holds (ChunkKV), how entries are named (KVKey), the per-request LayerReader and the KVStore
-protocol every tier implements (callers never ask which tier they hold)."""
+protocol every tier implements (callers never ask which tier they hold).
+
+Every hook a reader or store may implement is declared here with its default (`LayerReader.complete`,
+`KVStore.side_car_dir`, `KVStore.set_evict_hook`); the package's readers and stores subclass these protocols, so
+callers call the hooks directly instead of probing for them.
+"""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -142,8 +147,19 @@ class LayerReader(Protocol):
     def close(self) -> None:
         """End of the request: release handles (a tier may promote what was read)."""
 
+    def complete(self) -> ChunkKV | None:
+        """The whole entry, to promote into faster tiers (None if a layer fails); by default every layer read."""
+        try:
+            layers = [self.layer(i) for i in range(self.num_layers)]
+        except LayerReadError:
+            return None
+        return ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids)
 
-class ResidentReader:
+
+EvictCallback = Callable[[KVKey, ChunkKV], None]
+
+
+class ResidentReader(LayerReader):
     """A LayerReader over a ChunkKV already in memory."""
 
     def __init__(self, kv: ChunkKV, key: KVKey | None = None, tier: str = "memory") -> None:
@@ -169,7 +185,7 @@ class ResidentReader:
         """Nothing to release."""
 
 
-class SlicedReader:
+class SlicedReader(LayerReader):
     """Rows [start, stop) of another reader: the part of a stored chunk that a prompt's own tokenization
     reproduces (its first or last token may have merged with the text around it)."""
 
@@ -203,6 +219,10 @@ class SlicedReader:
         """Close the whole reader."""
         self.reader.close()
 
+    def complete(self) -> ChunkKV | None:
+        """The whole entry behind the part (promotion stores entries, not parts)."""
+        return self.reader.complete()
+
 
 @runtime_checkable
 class KVStore(Protocol):
@@ -228,6 +248,17 @@ class KVStore(Protocol):
 
     def tiers(self) -> dict[str, Path | None]:
         """The tiers behind this store, fastest first, with their folder where they have one."""
+
+    def side_car_dir(self) -> Path | None:
+        """The one folder where files that go with this store live (chunk index, Cache-Craft variants), or None.
+
+        By default None: a store without a folder (memory, Redis) gets private temporary side-car files.
+        """
+        return None
+
+    def set_evict_hook(self, hook: EvictCallback | None) -> None:
+        """Have `hook(key, kv)` called with each entry this store evicts (a tiered store spills it to the next
+        tier). By default nothing: a store whose evictions need no spill ignores it."""
 
     def entry_nbytes(self, key: KVKey) -> int | None:
         """Bytes the entry takes in its most durable tier (as stored: a file's size), or None if not stored."""

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from ..errors import ConfigError, KVWriteError
-from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
+from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, token_ids_digest
 from .codecs import CODECS, KVCodec, RawCodec, get_codec
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
     return bool((torch.isfinite(src.to(cast.device)) & ~torch.isfinite(cast)).any())
 
 
-class DiskStore:
+class DiskStore(KVStore):
     """KV entries as `root/<namespace>/<chunk_id[:2]>/<chunk_id>.safetensors`.
 
     Every read is validated (header, key, token digest, per-tensor crc32, shapes, and the codec's own
@@ -220,6 +220,10 @@ class DiskStore:
     def tiers(self) -> dict[str, Path | None]:
         """One tier, on the file system under root."""
         return {"disk": self.root}
+
+    def side_car_dir(self) -> Path | None:
+        """The store's root: side-car files live beside the entries, shared by every process using the folder."""
+        return self.root
 
     def entry_nbytes(self, key: KVKey) -> int | None:
         """The entry's file size, or None."""
@@ -613,7 +617,7 @@ class DiskStore:
             logger.debug("evicted %s from disk cache", oldest)
 
 
-class DiskReader:
+class DiskReader(LayerReader):
     """One stored entry, opened once per request: header and token ids checked at open, each layer crc-checked
     as it is read. A bad layer quarantines the file and raises LayerReadError (the caller recomputes the chunk)."""
 

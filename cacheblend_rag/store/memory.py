@@ -6,17 +6,14 @@ import logging
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from ..errors import ConfigError
-from .base import ChunkKV, KVKey, LayerReadError, ResidentReader
+from .base import ChunkKV, EvictCallback, KVKey, KVStore, LayerReader, LayerReadError, ResidentReader
 from .codecs import CODECS, CodecError, KVCodec, LayerTensors, get_codec, layer_nbytes
 
 logger = logging.getLogger(__name__)
-
-EvictCallback = Callable[[KVKey, ChunkKV], None]
 
 
 class CodedEntry:
@@ -53,7 +50,7 @@ class CodedEntry:
                        token_ids=self.token_ids, positions_start=self.positions_start)
 
 
-class CodedReader:
+class CodedReader(LayerReader):
     """A LayerReader decoding one layer of a CodedEntry at a time (bytes_read counts coded bytes)."""
 
     def __init__(self, entry: CodedEntry, key: KVKey | None, tier: str = "memory") -> None:
@@ -98,7 +95,7 @@ def _memory_codec(codec: str | KVCodec | None) -> KVCodec | None:
                       "the KV as put)")
 
 
-class MemoryStore:
+class MemoryStore(KVStore):
     """LRU store of chunk KV bounded by bytes: kept as put (same device and dtype) when `codec` is None, else
     coded with `codec` ("fp16", "int8", "cachegen" or a KVCodec) and decoded per layer on read. The budget
     counts held bytes, so a denser codec holds more chunks."""
@@ -153,6 +150,10 @@ class MemoryStore:
     def tiers(self) -> dict[str, Path | None]:
         """One tier, in process memory."""
         return {"memory": None}
+
+    def set_evict_hook(self, hook: EvictCallback | None) -> None:
+        """Call `hook(key, kv)` with each entry the LRU budget evicts (decoded, if held coded)."""
+        self.on_evict = hook
 
     def entry_nbytes(self, key: KVKey) -> int | None:
         """Bytes of the held tensors, or None."""

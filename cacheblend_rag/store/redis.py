@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import torch
 
 from ..errors import ConfigError, KVWriteError, MissingDependencyError
-from .base import ChunkKV, KVKey, LayerReadError, token_ids_digest
+from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, token_ids_digest
 from .codecs import CODECS, CodecError, KVCodec, RawCodec, get_codec
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def _display(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-class RedisStore:
+class RedisStore(KVStore):
     """KV entries as Redis hashes under `{prefix}:{namespace}:{chunk_id}`, validated on every read.
 
     Eviction is Redis's own (`maxmemory` + `maxmemory-policy allkeys-lru`): an entry is one key, so it goes whole.
@@ -615,7 +615,7 @@ class RedisStore:
             logger.debug("could not delete corrupt entry %s: %s", name, e)
 
 
-class RedisReader:
+class RedisReader(LayerReader):
     """One Redis entry for one request: the header was checked at open; each layer is one HGET, crc-checked.
 
     A missing or bad layer deletes the entry (unless a put replaced it) and raises LayerReadError, so the

@@ -44,7 +44,7 @@ class Link:
             time.sleep(delay)
 
 
-class ThrottledReader:
+class ThrottledReader(LayerReader):
     """A reader whose layers arrive no faster than the link allows (bytes counted from the inner reader)."""
 
     def __init__(self, reader: LayerReader, link: Link, tier: str) -> None:
@@ -81,12 +81,7 @@ class ThrottledReader:
 
     def complete(self) -> ChunkKV | None:
         """The whole entry (for promotion into faster tiers), paced like the layers."""
-        complete = getattr(self._reader, "complete", None)
-        if complete is not None:
-            kv = complete()
-        else:  # a resident reader: its layers are the entry
-            layers = [self._reader.layer(i) for i in range(self.num_layers)]
-            kv = ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids)
+        kv = self._reader.complete()
         self._carry()
         return kv
 
@@ -95,7 +90,7 @@ class ThrottledReader:
         self._reader.close()
 
 
-class ThrottledStore:
+class ThrottledStore(KVStore):
     """Wraps a store: reads are paced to `bytes_per_s` after `latency_s` per fetch; writes are not slowed.
 
     It reports itself as the tier `name` ("remote" by default), so a TieredStore and the request stats name it.

@@ -29,7 +29,7 @@ def _promote(faster: tuple[KVStore, ...], key: KVKey, kv: ChunkKV) -> None:
             logger.debug("could not promote %s into the %s tier: %s", key, _name(store), e)
 
 
-class PromotingReader:
+class PromotingReader(LayerReader):
     """A slower tier's reader that, when its request ends, copies the whole entry into the faster tiers."""
 
     def __init__(self, reader: LayerReader, faster: tuple[KVStore, ...]) -> None:
@@ -55,15 +55,14 @@ class PromotingReader:
     def close(self) -> None:
         """Promote the entry (reading the layers the request skipped), then release the reader."""
         read = self._reader.bytes_read
-        complete = getattr(self._reader, "complete", None)
-        kv = complete() if complete is not None else None
+        kv = self._reader.complete()
         self._reader.bytes_read = read
         self._reader.close()
         if kv is not None and self.key is not None:
             _promote(self._faster, self.key, kv)
 
 
-class TieredStore:
+class TieredStore(KVStore):
     """Tiers fastest first; write-through puts, hits promoted into the faster tiers, memory evictions spilled.
 
     `TieredStore(memory, disk)` is the classic pair; `TieredStore(memory, disk, redis)` adds a shared tier.
@@ -77,9 +76,8 @@ class TieredStore:
         self.names = [_name(s) for s in tiers]
         # Write-through means the next tier usually has evicted entries already; the spill covers the cases
         # where it does not (its write failed, or it evicted the entry first).
-        for i, store in enumerate(tiers):
-            if hasattr(store, "on_evict") and i + 1 < len(tiers):
-                store.on_evict = self._spiller(tiers[i + 1:])
+        for i, store in enumerate(tiers[:-1]):
+            store.set_evict_hook(self._spiller(tiers[i + 1:]))
         self._lock = threading.Lock()
         self._hits = self._misses = 0
 
@@ -159,6 +157,14 @@ class TieredStore:
         for store in self.stores:
             merged.update(store.tiers())
         return merged
+
+    def side_car_dir(self) -> Path | None:
+        """The first tier's folder that has one (the disk tier's, in the usual memory → disk → Redis chain)."""
+        for store in self.stores:
+            folder = store.side_car_dir()
+            if folder is not None:
+                return folder
+        return None
 
     def entry_nbytes(self, key: KVKey) -> int | None:
         """As the slowest (most durable) tier stores it; None if that tier does not hold it (a copy kept only in

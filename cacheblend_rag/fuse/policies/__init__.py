@@ -1,7 +1,7 @@
 """The registry of token-selection policies: method name → policy class. Engine, CLI and bench all read it.
 
-To add a policy: write `fuse/policies/<name>.py` (a frozen dataclass with `name`, `place` and `start`; see
-`fuse.policy`) and add one line to `POLICIES` below.
+To add a policy: write `fuse/policies/<name>.py` (a frozen dataclass subclassing `fuse.policy.Policy`, with
+`name`, `place` and `start`) and add one line to `POLICIES` below.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ __all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "Fu
 
 
 def register_policy(policy_cls: type) -> type:
-    """Add a policy class (a frozen dataclass with `name`, `place`, `start`) to the registry: the engine, the CLI,
+    """Add a policy class (a frozen dataclass subclassing `fuse.policy.Policy`, with `name`, `place`, `start`) to
+    the registry: the engine, the CLI,
     the server and both integrations then take its name as `method` and its fields as options. Usable as a
     class decorator."""
     name = vars(policy_cls).get("name")  # its own name, not one it inherits
@@ -38,6 +39,9 @@ def register_policy(policy_cls: type) -> type:
         raise ConfigError(f"a policy is a dataclass with a `name`, got {policy_cls!r}")
     if name in POLICIES and POLICIES[name] is not policy_cls:
         raise ConfigError(f"a policy named {name!r} is already registered ({POLICIES[name].__name__})")
+    if not issubclass(policy_cls, Policy):
+        raise ConfigError(f"{policy_cls.__name__} must subclass cacheblend_rag.fuse.policy.Policy "
+                          "(it declares what the prefill asks of a policy, with defaults)")
     POLICIES[name] = policy_cls
     return policy_cls
 
@@ -56,7 +60,7 @@ def takes_ratio(policy: object) -> bool:
 def make_policy(method: "str | Policy", recompute_ratio: float | None = None, **options) -> Policy:
     """The policy for a method name (or a policy object, returned as is), with its options checked by name."""
     if not isinstance(method, str):
-        if not hasattr(method, "place") or not hasattr(method, "start"):
+        if not isinstance(method, Policy):
             raise ConfigError(f"method must be one of {', '.join(POLICIES)} or a policy object, got {method!r}")
         if recompute_ratio is not None or options:
             raise ConfigError("pass options to the policy object itself, not beside it")

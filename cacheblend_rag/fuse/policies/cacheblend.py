@@ -14,7 +14,7 @@ from .. import placement
 from ..guard import GuardedRows, QualityGuard, check_guard_options
 from ..hkvd import DEVIATIONS, SELECTIONS, WEIGHTS, chunk_heads, hkvd_score, top_rows
 from ..loop import LayerView
-from ..policy import FusionRequest, RowSelection
+from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence
 
 
@@ -26,7 +26,7 @@ def check_ratio(value: object, name: str = "recompute_ratio") -> float:
 
 
 @dataclass(frozen=True)
-class CacheBlend:
+class CacheBlend(Policy):
     """Selective recompute of the reused tokens with the highest KV deviation (HKVD), CacheBlend §4.
 
     Every row is computed up to the last check layer, so those layers' KV is fresh
@@ -90,7 +90,8 @@ class CacheBlend:
         """The exact prefix and every stored chunk."""
         return placement.every_chunk(cache, request)
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
         """Every row up to the last check layer (or none reused, when the budget is 0 or all of them)."""
         reused = seq.reused
         num_reused = int(reused.sum())

@@ -9,12 +9,12 @@ import torch
 
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..policy import FusionRequest, RowSelection
+from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence
 
 
 @dataclass(frozen=True)
-class FullPrefill:
+class FullPrefill(Policy):
     """Every row, every layer: the reference."""
 
     name: ClassVar[str] = "full_prefill"
@@ -23,6 +23,7 @@ class FullPrefill:
         """Nothing from the cache."""
         return placement.nothing(cache, request)
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
         """All rows."""
         return RowSelection(torch.ones_like(seq.cached))

@@ -7,12 +7,12 @@ from typing import ClassVar
 
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..policy import FusionRequest, RowSelection
+from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence
 
 
 @dataclass(frozen=True)
-class FullReuse:
+class FullReuse(Policy):
     """Reuse every chunk's KV as is (re-positioned); compute only what is not cached."""
 
     name: ClassVar[str] = "full_reuse"
@@ -21,6 +21,7 @@ class FullReuse:
         """The exact prefix and every stored chunk."""
         return placement.every_chunk(cache, request)
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
         """Rows without cached KV."""
         return RowSelection(~seq.cached)

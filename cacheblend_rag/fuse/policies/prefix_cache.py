@@ -7,12 +7,12 @@ from typing import ClassVar
 
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..policy import FusionRequest, RowSelection
+from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence
 
 
 @dataclass(frozen=True)
-class PrefixCache:
+class PrefixCache(Policy):
     """Reuse the KV of the exact prefix (system prefix + first chunk), compute the rest."""
 
     name: ClassVar[str] = "prefix_cache"
@@ -21,6 +21,7 @@ class PrefixCache:
         """The exact prefix and the first chunk as it follows it."""
         return placement.exact_prefix(cache, request)
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> RowSelection:
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
         """Rows without cached KV."""
         return RowSelection(~seq.cached)

@@ -1,136 +1,48 @@
-"""Cache-Craft (§3): per-chunk recompute budgets from stored variants, and focused-chunk early termination.
+"""Cache-Craft's policy and selection: per chunk the cheapest variant and its budget, then per layer the budget's
+rows, HKVD within budgets, the focused-chunk early stop, and the attention metadata of new variants.
 
 Per chunk of a request, among its stored variants (the isolated ingestion precompute and any KV computed after
-other chunks, `fuse/variants.py`):
-
-    β   prefix overlap (eq. 6)      share of the variant's inter-attention that went to chunks also before it now
-    γ   order penalty (eq. 7)       normalized Kendall tau distance between the old and new order of those chunks
-    β'  = β · (1 − γ)               (eq. 8)
-    CFO = α · CCI · (1 − β')        (eq. 12), clipped to [0, 1]
-
-the variant with the lowest CFO is placed and the top ⌈CFO · |C|⌉ of its tokens are recomputed: by the variant's
-stored inter-attention ranking (eq. 14, no check layer), or by this engine's question-weighted HKVD at layer 1
-within the chunk's budget (`token_choice="hkvd"`). Per layer the question's attention to each chunk is
-accumulated; once the set of high-attention chunks (Algorithm 1) is the same for `focus_window` layers, the
-other chunks' rows stop being recomputed (§3.2.2). Chunks computed in full in context (holes, a budget of every
-token) are stored as new variants after the first token, with their attention metadata; variants beyond a byte
-budget are evicted by usefulness (f_r += 1/CFO per use, lowest first, §3.3).
+other chunks, `fuse/variants.py`), the variant with the lowest CFO (`equations.py`) is placed and the top
+⌈CFO · |C|⌉ of its tokens are recomputed: by the variant's stored inter-attention ranking (eq. 14, no check
+layer), or by this engine's question-weighted HKVD at layer 1 within the chunk's budget (`token_choice="hkvd"`).
+Per layer the question's attention to each chunk is accumulated; once the set of high-attention chunks
+(Algorithm 1) is the same for `focus_window` layers, the other chunks' rows stop being recomputed (§3.2.2). Chunks
+computed in full in context (holes, a budget of every token) are stored as new variants after the first token,
+with their attention metadata; variants beyond a byte budget are evicted by usefulness (f_r += 1/CFO per use,
+lowest first, §3.3).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from ... import settings
-from ...errors import ConfigError
-from ...ingest.chunks import Chunk
-from ...models.adapter import LlamaFamilyAdapter
-from ...store import ChunkKV, LayerReader
-from ..guard import QualityGuard, check_guard_options
-from ..hkvd import hkvd_score, question_attention
-from ..loop import LayerView, LoopResult
-from ..placement import Placements
-from ..policy import FusionRequest, RowSelection
-from ..sequence import FusedSequence, Placement
-from ..variants import Variant, VariantStore, cci, token_digest, variant_kv_id
+from ....errors import ConfigError
+from ....ingest.chunks import Chunk
+from ....models.adapter import LlamaFamilyAdapter
+from ....store import ChunkKV, LayerReader
+from ...guard import QualityGuard, check_guard_options
+from ...hkvd import hkvd_score, question_attention
+from ...loop import LayerView, LoopResult
+from ...placement import Placements
+from ...policy import FusionRequest, Policy, RowSelection
+from ...sequence import FusedSequence, Placement
+from ...variants import Variant, VariantStore, cci, token_digest, variant_kv_id
+from .equations import (DEFAULT_ALPHA, cache_fix_overhead, calibrated_alpha, focused_chunks, order_penalty,
+                        prefix_overlap)
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ALPHA = 0.5  # without a calibration (`cacheblend-rag calibrate`); see docs/design.md "Cache-Craft"
 TOKEN_CHOICES = ("ranking", "hkvd")
 FIRST_USES = ("reuse", "full")
 CHECK_LAYER = 1  # token_choice="hkvd": where deviations are measured (layer 0's K/V see no context)
 # Variant metadata (inter/intra attention, ranking) from every third layer: the paper averages over layers, and
 # measuring all 30 after the first token cost ≈ 3× the request's own prefill on a 2-core CPU.
 METADATA_EVERY = 3
-
-
-# ---- the equations ------------------------------------------------------------------------------
-
-def _first_order(ids) -> list[str]:
-    seen: dict[str, None] = {}
-    for c in ids:
-        seen.setdefault(c, None)
-    return list(seen)
-
-
-def prefix_overlap(inter: dict[str, float], old: Sequence[str], new: Sequence[str]) -> float:
-    """β (eq. 6): Σ_{j ∈ old ∩ new} inter(C, j) / Σ_{j ∈ old} inter(C, j); 0 when the old prefix drew none."""
-    old_set, new_set = set(old), set(new)
-    total = sum(inter.get(j, 0.0) for j in old_set)
-    if total <= 0:
-        return 0.0
-    return sum(inter.get(j, 0.0) for j in old_set & new_set) / total
-
-
-def order_penalty(old: Sequence[str], new: Sequence[str]) -> float:
-    """γ (eq. 7): discordant pairs / C(m, 2) between the shared chunks' old and new orders (0 when m < 2)."""
-    shared = set(old) & set(new)
-    a_old = [c for c in _first_order(old) if c in shared]
-    rank_new = {c: i for i, c in enumerate(c for c in _first_order(new) if c in shared)}
-    m = len(a_old)
-    if m < 2:
-        return 0.0
-    ranks = [rank_new[c] for c in a_old]
-    discordant = sum(1 for i in range(m) for j in range(i + 1, m) if ranks[i] > ranks[j])
-    return discordant / (m * (m - 1) / 2)
-
-
-def cache_fix_overhead(alpha: float, context_impact: float, beta_adjusted: float) -> float:
-    """CFO (eq. 12): α · CCI · (1 − β'), clipped to [0, 1] (1: recompute every token)."""
-    return min(1.0, max(0.0, alpha * context_impact * (1.0 - beta_adjusted)))
-
-
-def focused_chunks(cumulative: list[float]) -> set[int]:
-    """Algorithm 1, lines 4–9: the high-attention chunks by the entropy of the gaps in sorted attention."""
-    k = len(cumulative)
-    order = sorted(range(k), key=lambda i: -cumulative[i])
-    if k < 3:
-        return set(order)
-    s = [cumulative[i] for i in order]
-    diff = [s[i] - s[i + 1] for i in range(k - 1)]
-    total = sum(diff)
-    if total <= 0:
-        return set(order)
-    p = [d / total for d in diff]
-    terms = [-x * math.log(x) if x > 0 else 0.0 for x in p]
-    # h_i = Σ_{j≤i} terms_j (1-indexed); i* = argmax_{i ∈ [k−2]} h_{i+1} − h_i = argmax terms_{i+1}; F = top i*
-    best = max(range(1, k - 1), key=lambda i: (terms[i], -i))  # terms[i] is term i+1 (1-indexed): i* = i
-    return set(order[:best])
-
-
-# ---- calibrated α -------------------------------------------------------------------------------
-
-def calibration_path(fingerprint: str, device_type: str, dtype: torch.dtype,
-                     home: str | Path | None = None) -> Path:
-    """Where `cacheblend-rag calibrate` keeps α for a model, device and dtype (beside its loading profile)."""
-    name = str(dtype).removeprefix("torch.")
-    return settings.home_dir(home) / "profiles" / f"{fingerprint}-{device_type}-{name}.cachecraft.json"
-
-
-def calibrated_alpha(fingerprint: str, device_type: str, dtype: torch.dtype,
-                     home: str | Path | None = None) -> float | None:
-    """The calibrated α stored for this model, device and dtype, or None (missing or unreadable: logged)."""
-    path = calibration_path(fingerprint, device_type, dtype, home)
-    if not path.is_file():
-        return None
-    try:
-        alpha = float(json.loads(path.read_text())["alpha"])
-        if not math.isfinite(alpha) or alpha < 0:
-            raise ValueError(f"alpha {alpha}")
-        return alpha
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        logger.warning("the Cache-Craft calibration %s is unreadable (%s); using alpha=%s", path, e, DEFAULT_ALPHA)
-        return None
 
 
 # ---- the policy -------------------------------------------------------------------------------
@@ -141,7 +53,7 @@ def _check_bool(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class CacheCraft:
+class CacheCraft(Policy):
     """Cache-Craft: variants of chunk caches, per-chunk budgets CFO = α·CCI·(1−β'), focused-chunk early stop."""
 
     alpha: float | None = None  # None: the calibrated α of this model (`cacheblend-rag calibrate`), else DEFAULT_ALPHA
@@ -183,6 +95,11 @@ class CacheCraft:
             raise ConfigError(f"variant_budget_mb must be a number ≥ 0, got {b!r}")
         check_guard_options(self.guard, self.guard_ratio)
 
+    @classmethod
+    def neighbor_variants(cls) -> "CacheCraft":
+        """What ingestion runs to store a chunk computed after its neighbours: the last chunk in full, no focus."""
+        return cls(compute_last=True, use_focus=False)
+
     def resolved_alpha(self, cache) -> float:
         """α: as given, else calibrated for the cache's model, device and dtype, else DEFAULT_ALPHA."""
         if self.alpha is not None:
@@ -194,10 +111,10 @@ class CacheCraft:
     def place(self, cache, request: FusionRequest) -> Placements:
         """The exact prefix, then per chunk the variant with the lowest CFO (missing chunks are holes)."""
         alpha = self.resolved_alpha(cache)
-        variants = VariantStore.for_store(cache.store)
+        variants = cache.variants
         ns = cache.namespace
         prefix = request.prefix_ids
-        out = Placements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else [])
+        out = CraftPlacements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else [])
         follows_lead_in = prefix == list(cache.lead_in_ids)
         ids = [c.chunk_id for c in request.chunks]
         token_ids = request.layout.token_ids
@@ -218,7 +135,7 @@ class CacheCraft:
                 continue
             out.hits.append(chunk.chunk_id)
             out.placements.append(Placement(plan.row_start, plan.reader, exact=plan.exact))
-        _PENDING.plan = RequestPlan(self, alpha, ns, variants, plans)
+        out.plan = RequestPlan(alpha, ns, variants, plans)
         return out
 
     def _choose(self, cache, variants: VariantStore, plan: "ChunkPlan", alpha: float, first: bool,
@@ -262,14 +179,13 @@ class CacheCraft:
             variants.touch(cache.namespace, v, cfo)
             return
 
-    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence) -> "CraftSelection":
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence, placed: Placements) -> "CraftSelection":
         """Rows of each chunk's budget (by ranking) from layer 0, or whole chunks up to the HKVD check layer."""
-        request = getattr(_PENDING, "plan", None)
-        _PENDING.plan = None
+        request = placed.plan if isinstance(placed, CraftPlacements) else None
         by_reader = {id(p.reader): p for p in request.chunks if p.reader is not None} if request else {}
-        placed = [p for p in seq.placements if id(p.kv) in by_reader and by_reader[id(p.kv)].reader is p.kv]
-        if request is None or request.policy is not self or len(placed) != len(by_reader):
-            raise RuntimeError("cachecraft.start() must follow its own place() for the same request")
+        in_seq = [p for p in seq.placements if id(p.kv) in by_reader and by_reader[id(p.kv)].reader is p.kv]
+        if request is None or len(in_seq) != len(by_reader):
+            raise RuntimeError("cachecraft.start() takes what its own place() returned for the same request")
         return CraftSelection(~seq.cached, 0, policy=self, request=request, adapter=adapter, seq=seq)
 
 
@@ -302,16 +218,19 @@ class ChunkPlan:
 
 @dataclass
 class RequestPlan:
-    """What place() decided for one request, handed to start() in the same thread."""
+    """What place() decided for one request; start() receives it inside the placements."""
 
-    policy: CacheCraft
     alpha: float
     namespace: str
     variants: VariantStore
     chunks: list[ChunkPlan]
 
 
-_PENDING = threading.local()  # place() → start(): one request at a time per thread (the engine serialises)
+@dataclass
+class CraftPlacements(Placements):
+    """Cache-Craft's placements, carrying its per-chunk plan from place() to start() (by value, no side channel)."""
+
+    plan: RequestPlan | None = None
 
 
 @dataclass
