@@ -202,14 +202,17 @@ def parse_tool_calls(text: str, functions: Sequence[dict[str, Any]] = ()) -> tup
         return text, []
     calls, rest = [], stripped
     known = {fn["name"] for fn in functions}
-    while rest.startswith(TOOL_OPEN) and TOOL_CLOSE in rest:
-        body, rest = rest[len(TOOL_OPEN):].split(TOOL_CLOSE, 1)
+    decoder = json.JSONDecoder()
+    while rest.startswith(TOOL_OPEN):
+        # the JSON value first, then the closing tag: a string argument may itself contain "</tool_call>"
+        body = rest[len(TOOL_OPEN):]
         try:
-            call = json.loads(body)
+            call, end = decoder.raw_decode(body, len(body) - len(body.lstrip()))
         except json.JSONDecodeError:
             return text, []
-        if not isinstance(call, dict) or (known and call.get("name") not in known):
+        after = body[end:].lstrip()
+        if not after.startswith(TOOL_CLOSE) or not isinstance(call, dict) or (known and call.get("name") not in known):
             return text, []
         calls.append(ToolCall(call["name"], copy.deepcopy(call.get("arguments") or {})))
-        rest = rest.strip()
+        rest = after[len(TOOL_CLOSE):].strip()
     return (rest, calls) if calls else (text, [])

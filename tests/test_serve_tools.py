@@ -280,3 +280,17 @@ def test_call_stream_text_and_odd_shapes():
     assert reordered.feed('<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>') == []
     (delta,) = reordered.finish()
     assert delta["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+def test_a_closing_tag_inside_an_argument_string_stays_in_the_argument():
+    # SmolLM2 wrote "</tool_call>" inside a retriever query (bench --agent): the JSON is read first, then the tag
+    from cacheblend_rag.tools import parse_tool_calls
+
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo</tool_call>Bergen"}}</tool_call>'
+    content, (call,) = parse_tool_calls(text, [WEATHER["function"]])
+    assert content == "" and call.arguments == {"city": "Oslo</tool_call>Bergen"}
+    stream = CallStream([WEATHER["function"]])
+    deltas = [d for i in range(0, len(text), 4) for d in stream.feed(text[i:i + 4])] + stream.finish()
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
+    assert json.loads(arguments) == call.arguments and stream.called
+    assert parse_tool_calls(text[:-len("</tool_call>")], [WEATHER["function"]])[1] == []  # unclosed: no call
