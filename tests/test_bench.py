@@ -422,7 +422,7 @@ def test_bench_conversation_with_peers(tmp_path, one_thread):
              if importlib.util.find_spec(module) is not None]
     out = tmp_path / "out"
     assert cli_main(["bench", str(musique_path()), "--conversation", "--peers", ",".join(names), "--limit", "1",
-                     "--chunks", "2", "--dtype", "float32", "--max-new-tokens", "2", "--out", str(out), "-q"]) == 0
+                     "--chunks", "1", "--dtype", "float32", "--max-new-tokens", "2", "--out", str(out), "-q"]) == 0
     result = json.loads((out / "conversation.json").read_text())
     assert result["meta"]["peers"]["ran"] == names
     for r in result["records"]:
@@ -436,3 +436,23 @@ def test_bench_conversation_with_peers(tmp_path, one_thread):
     md = (out / "conversation.md").read_text()
     assert "Peers on the same turns" in md
     assert all(name in md for name in names)
+
+
+def test_conversation_peers_summary_hand_checked():
+    """Per turn: medians of each arm and peer, ratios to ours with stored prefixes, the peers' cache and KL."""
+    from cacheblend_rag.bench.conversation import format_peers, summarize_peers
+
+    def record(turn, prefix, kvb, llama, cached):
+        return {"turn": turn, "ttft_s": {"prefix": prefix, "no_prefix": 2 * prefix, "full": 4 * prefix},
+                "peers": {"kvboost": {"ttft_s": kvb, "prompt_tokens": 100, "cached_tokens": cached, "kl": 0.02},
+                          "llama.cpp": {"ttft_s": llama, "prompt_tokens": 100, "cached_tokens": None, "kl": None}}}
+
+    turns = summarize_peers([record(1, 1.0, 3.0, 2.0, 0), record(1, 3.0, 9.0, 4.0, 0),
+                             record(2, 0.1, 2.0, 0.05, 96), {"turn": 2, "ttft_s": {}}])  # no peers: left out
+    assert turns[1]["ttft_s"] == {"prefix": 2.0, "no_prefix": 4.0, "full": 8.0, "kvboost": 6.0, "llama.cpp": 3.0}
+    assert turns[1]["vs_ours"]["kvboost"] == 3.0 and turns[1]["vs_ours"]["llama.cpp"] == 1.5
+    assert turns[2]["n"] == 1 and turns[2]["vs_ours"]["llama.cpp"] == pytest.approx(0.5)
+    assert turns[2]["cached_tokens"] == {"kvboost": 96} and turns[2]["kl"] == {"kvboost": 0.02}
+    table = format_peers(turns)
+    assert "| 2 | 1 | 0.100 s | 0.200 s (2.0×) | 0.400 s (4.0×) | 2.000 s (20.0×) | 0.050 s (0.5×) |" in table
+    assert "kvboost 96/100" in table and format_peers({}) == ""
