@@ -57,6 +57,8 @@ def run_conversation(engine, items: list[dict], *, num_chunks: int = 6, max_new_
             peer.warm(passages_of(item, num_chunks))
     for e in (engine, plain):  # first-call costs (kernels, tables), on a prompt no conversation starts with
         e.generate_prompt([{"role": "user", "content": "Say hello."}], max_new_tokens=2)
+    for peer in peers:  # theirs too, so a peer's first turn is not charged for its first call
+        peer.first_token(chat_text(engine.tokenizer, [{"role": "user", "content": "Say hello."}]))
     records = []
     for n, item in enumerate(tqdm(items, desc="conversations", unit="chat", disable=not show_progress)):
         messages = _first_turn(passages_of(item, num_chunks), item["question"])
