@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -384,3 +385,74 @@ def test_bench_conversation_end_to_end(tmp_path, one_thread):
         assert turns[t]["rows"]["chunk_rows"] == 0
     assert turns["1"]["rows"]["prefix_rows"] < turns["1"]["rows"]["chunk_rows"]
     assert "| 4 | 1 |" in (out / "conversation.md").read_text()
+
+
+def test_bench_peers_are_named_and_need_conversation(tmp_path):
+    """`--peers` takes only the peers it knows, and only with --conversation (before any model loads)."""
+    from cacheblend_rag.bench.peers import parse_peers
+
+    assert parse_peers("kvboost, llama.cpp") == ("kvboost", "llama.cpp") and parse_peers(None) == ()
+    with pytest.raises(ValueError, match="unknown peer"):
+        parse_peers("kvboost,vllm")
+    assert cli_main(["bench", "--peers", "kvboost", "--limit", "1", "--out", "", "-q"]) == 2  # add --conversation
+
+
+@pytest.mark.parametrize("name, module", [("kvboost", "kvboost"), ("llama.cpp", "llama_cpp")])
+def test_bench_peer_not_installed_says_so_in_one_line(tmp_path, name, module):
+    """Without the [peers] extra, a peer is reported as skipped in one line with the install hint, and not built."""
+    from cacheblend_rag.bench.peers import open_peers
+
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed")
+    peers, skipped = open_peers((name,), model="smollm2-135m", folder=tmp_path, dtype=torch.float32,
+                                recompute_ratio=0.15, context_window=2048)
+    assert peers == [] and len(skipped) == 1
+    assert name in skipped[0] and "cacheblend-rag[peers]" in skipped[0] and "\n" not in skipped[0]
+
+
+@pytest.mark.model
+@pytest.mark.skipif(importlib.util.find_spec("kvboost") is None and importlib.util.find_spec("llama_cpp") is None,
+                    reason="no peer installed (pip install 'cacheblend-rag[peers]')")
+def test_bench_conversation_with_peers(tmp_path, one_thread):
+    """`--peers`: each installed peer sees every turn's text as the same tokens the engine does; kvboost carries
+    earlier turns in its prefix-hashed chunks; the peers' table is written beside ours."""
+    from conftest import musique_path
+
+    names = [n for n, module in (("kvboost", "kvboost"), ("llama.cpp", "llama_cpp"))
+             if importlib.util.find_spec(module) is not None]
+    out = tmp_path / "out"
+    assert cli_main(["bench", str(musique_path()), "--conversation", "--peers", ",".join(names), "--limit", "1",
+                     "--chunks", "1", "--dtype", "float32", "--max-new-tokens", "2", "--out", str(out), "-q"]) == 0
+    result = json.loads((out / "conversation.json").read_text())
+    assert result["meta"]["peers"]["ran"] == names
+    for r in result["records"]:
+        for name in names:
+            peer = r["peers"][name]
+            assert peer["prompt_tokens"] == r["num_tokens"] and peer["ttft_s"] > 0
+    if "kvboost" in names:
+        later = [r["peers"]["kvboost"] for r in result["records"] if r["turn"] > 1]
+        assert all(p["cached_tokens"] > 0 for p in later)
+        assert all(0 <= p["kl"] < 1 for p in later)
+    md = (out / "conversation.md").read_text()
+    assert "Peers on the same turns" in md
+    assert all(name in md for name in names)
+
+
+def test_conversation_peers_summary_hand_checked():
+    """Per turn: medians of each arm and peer, ratios to ours with stored prefixes, the peers' cache and KL."""
+    from cacheblend_rag.bench.conversation import format_peers, summarize_peers
+
+    def record(turn, prefix, kvb, llama, cached):
+        return {"turn": turn, "ttft_s": {"prefix": prefix, "no_prefix": 2 * prefix, "full": 4 * prefix},
+                "peers": {"kvboost": {"ttft_s": kvb, "prompt_tokens": 100, "cached_tokens": cached, "kl": 0.02},
+                          "llama.cpp": {"ttft_s": llama, "prompt_tokens": 100, "cached_tokens": None, "kl": None}}}
+
+    turns = summarize_peers([record(1, 1.0, 3.0, 2.0, 0), record(1, 3.0, 9.0, 4.0, 0),
+                             record(2, 0.1, 2.0, 0.05, 96), {"turn": 2, "ttft_s": {}}])  # no peers: left out
+    assert turns[1]["ttft_s"] == {"prefix": 2.0, "no_prefix": 4.0, "full": 8.0, "kvboost": 6.0, "llama.cpp": 3.0}
+    assert turns[1]["vs_ours"]["kvboost"] == 3.0 and turns[1]["vs_ours"]["llama.cpp"] == 1.5
+    assert turns[2]["n"] == 1 and turns[2]["vs_ours"]["llama.cpp"] == pytest.approx(0.5)
+    assert turns[2]["cached_tokens"] == {"kvboost": 96} and turns[2]["kl"] == {"kvboost": 0.02}
+    table = format_peers(turns)
+    assert "| 2 | 1 | 0.100 s | 0.200 s (2.0×) | 0.400 s (4.0×) | 2.000 s (20.0×) | 0.050 s (0.5×) |" in table
+    assert "kvboost 96/100" in table and format_peers({}) == ""

@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a retrieval agent per question (forced tool call, then the answer over the tool's "
                             "passages): per step TTFT, chunk hits in tool results, constrained vs free decode "
                             "ms/token (writes agent.md)")
+    mode.add_argument("--peers", default=None, metavar="NAMES",
+                      help="with --conversation, also time these engines on the same turns: kvboost, llama.cpp "
+                           "(optional: pip install 'cacheblend-rag[peers]'; a missing one is skipped)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -219,6 +222,10 @@ def execute(args: argparse.Namespace) -> dict:
         return _conversation(args, dataset)
     if args.agent:
         return _agent(args, dataset)
+    if args.peers:
+        from ..errors import ConfigError
+
+        raise ConfigError("--peers times other engines on --conversation's turns; add --conversation")
     if args.breakdown:
         return _breakdown(args, dataset)
     if args.decode:
@@ -312,19 +319,33 @@ def _frames(args: argparse.Namespace, dataset: Path) -> dict:
 
 def _conversation(args: argparse.Namespace, dataset: Path) -> dict:
     """`--conversation`: 4-turn chats, stored prefixes vs none vs full prefill; prints and writes conversation.md."""
-    from .conversation import format_conversation, run_conversation
+    from .conversation import RATIO, format_conversation, format_peers, run_conversation, summarize_peers
+    from ..models.loader import model_folder
+    from .peers import open_peers, parse_peers
     from .report import machine
 
+    names = parse_peers(args.peers)
     items, engine = _questions_and_engine(args, dataset)
     if args.rss:
         return _conversation_rss(args, items, engine)
+    peers, skipped = open_peers(names, model=args.model, folder=model_folder(args.model, args.home),
+                                dtype=engine.adapter.dtype, recompute_ratio=RATIO,
+                                context_window=engine.context_window) if names else ([], [])
+    for line in skipped:
+        print(line)
     result = run_conversation(engine, items, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
-                              show_progress=not args.quiet)
+                              show_progress=not args.quiet, peers=peers)
     result["meta"] = {"conversations": len(items), "chunks": args.chunks, "model": args.model,
                       "dtype": _dtype(engine), "max_new_tokens": args.max_new_tokens, "machine": machine()}
     header = (f"{len(items)} conversations × 4 turns × {args.chunks} passages, {_dtype(engine)}, "
               f"max_new_tokens {args.max_new_tokens}; {machine()}")
-    _print_and_write(args, "conversation", header, format_conversation(result["summary"]), result)
+    table = format_conversation(result["summary"])
+    if peers:
+        result["summary"]["peers"] = summarize_peers(result["records"])
+        table += "\n\nPeers on the same turns (median TTFT; × = ratio to ours with stored prefixes):\n"
+        table += format_peers(result["summary"]["peers"])
+    result["meta"]["peers"] = {"ran": [p.name for p in peers], "skipped": skipped}
+    _print_and_write(args, "conversation", header, table, result)
     return result
 
 

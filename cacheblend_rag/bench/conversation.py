@@ -7,6 +7,7 @@ The history is the prefix-reuse engine's own answers, so every arm sees the same
     prefix      CacheBlend with stored prefixes (the default engine): a turn starts from the previous turn's KV
     no_prefix   CacheBlend without them (prefix_reuse=False, the behaviour before): every turn fuses every chunk
     full        full prefill of the same prompt: the reference for first-token KL
+    peers       with --peers: kvboost and llama.cpp's prompt cache on the same turn's text (bench/peers.py)
 
 Arms run interleaved per turn, so load on the machine falls on all of them alike; read the ratios.
 
@@ -19,12 +20,15 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from .datasets import passages_of
 from .frames import first_token_kl
+from .peers import Peer, chat_text
 
 ARMS = ("prefix", "no_prefix", "full")
 RATIO = 0.15
@@ -43,8 +47,8 @@ def _first_turn(passages: list[str], question: str) -> list[dict[str, str]]:
 
 
 def run_conversation(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens: int = 32,
-                     show_progress: bool = True) -> dict[str, Any]:
-    """Every conversation, turn by turn, in the three arms; records and a per-turn summary."""
+                     show_progress: bool = True, peers: Sequence[Peer] = ()) -> dict[str, Any]:
+    """Every conversation, turn by turn, in the three arms (and each peer); records and a per-turn summary."""
     from ..engine import CacheBlendEngine
 
     if not engine.prefix_reuse:
@@ -54,8 +58,12 @@ def run_conversation(engine, items: list[dict], *, num_chunks: int = 6, max_new_
     for item in items:  # untimed: chunk KV stored in both engines, as after ingestion
         for e in (engine, plain):
             e.ingest(passages_of(item, num_chunks), show_progress=False)
+        for peer in peers:
+            peer.warm(passages_of(item, num_chunks))
     for e in (engine, plain):  # first-call costs (kernels, tables), on a prompt no conversation starts with
         e.generate_prompt([{"role": "user", "content": "Say hello."}], max_new_tokens=2)
+    for peer in peers:  # theirs too, so a peer's first turn is not charged for its first call
+        peer.first_token(chat_text(engine.tokenizer, [{"role": "user", "content": "Say hello."}]))
     records = []
     for n, item in enumerate(tqdm(items, desc="conversations", unit="chat", disable=not show_progress)):
         messages = _first_turn(passages_of(item, num_chunks), item["question"])
@@ -74,8 +82,57 @@ def run_conversation(engine, items: list[dict], *, num_chunks: int = 6, max_new_
                 "kl": {"prefix": first_token_kl(full.logits, out.logits),
                        "no_prefix": first_token_kl(full.logits, without.logits)},
             })
+            if peers:
+                records[-1]["peers"] = _peer_turns(peers, chat_text(engine.tokenizer, messages), full.logits)
             messages = messages + [{"role": "assistant", "content": out.text}]
     return {"records": records, "summary": summarize(records)}
+
+
+def _peer_turns(peers: Sequence[Peer], text: str, reference: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """Each peer on one turn's text: TTFT, prompt and cached tokens, first-token KL vs full prefill if it says."""
+    turns = {}
+    for peer in peers:
+        t = peer.first_token(text)
+        turns[peer.name] = {"ttft_s": t.ttft_s, "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens,
+                            "kl": None if t.logits is None else first_token_kl(reference, t.logits)}
+    return turns
+
+
+def summarize_peers(records: list[dict]) -> dict[int, dict[str, Any]]:
+    """Per turn: median TTFT of ours (three arms) and each peer, each as a ratio to ours with stored prefixes."""
+    med = statistics.median
+    names = sorted({p for r in records for p in r.get("peers", {})})
+    turns: dict[int, dict[str, Any]] = {}
+    for t in sorted({r["turn"] for r in records}):
+        rs = [r for r in records if r["turn"] == t and "peers" in r]
+        if not rs:
+            continue
+        ttft = {a: med(r["ttft_s"][a] for r in rs) for a in ARMS}
+        ttft |= {p: med(r["peers"][p]["ttft_s"] for r in rs) for p in names}
+        kls = {p: [r["peers"][p]["kl"] for r in rs if r["peers"][p]["kl"] is not None] for p in names}
+        cached = {p: [r["peers"][p]["cached_tokens"] for r in rs if r["peers"][p]["cached_tokens"] is not None]
+                  for p in names}
+        turns[t] = {"n": len(rs), "ttft_s": ttft, "vs_ours": {a: v / ttft["prefix"] for a, v in ttft.items()},
+                    "prompt_tokens": {p: med(r["peers"][p]["prompt_tokens"] for r in rs) for p in names},
+                    "cached_tokens": {p: med(c) for p, c in cached.items() if c},
+                    "kl": {p: med(k) for p, k in kls.items() if k}}
+    return turns
+
+
+def format_peers(turns: dict[int, dict[str, Any]]) -> str:
+    """The peers table: median TTFT per turn and its ratio to ours with stored prefixes (× > 1: slower than ours)."""
+    if not turns:
+        return ""
+    arms = list(next(iter(turns.values()))["ttft_s"])
+    labels = {"prefix": "ours (prefix reuse)", "no_prefix": "ours, no prefix reuse", "full": "full prefill"}
+    lines = ["| turn | n | " + " | ".join(labels.get(a, a) for a in arms) + " | peers' cached tokens | peers' KL |",
+             "|---|---|" + "---|" * len(arms) + "---|---|"]
+    for t, s in turns.items():
+        cells = [f"{s['ttft_s'][a]:.3f} s" + ("" if a == "prefix" else f" ({s['vs_ours'][a]:.1f}×)") for a in arms]
+        cached = ", ".join(f"{p} {c:.0f}/{s['prompt_tokens'][p]:.0f}" for p, c in s["cached_tokens"].items())
+        kl = ", ".join(f"{p} {k:.4f}" for p, k in s["kl"].items())
+        lines.append(f"| {t} | {s['n']} | " + " | ".join(cells) + f" | {cached or '-'} | {kl or '-'} |")
+    return "\n".join(lines)
 
 
 def summarize(records: list[dict]) -> dict[str, Any]:
