@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import unicodedata
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -486,7 +486,7 @@ class CacheBlendEngine:
         stats: dict | None = None,
         history: Sequence[dict] = (),
         **options,
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         """Yield text pieces as they are decoded; `stats`, if given, gets the prefill's stats, then decoding's.
 
         Stopping the iteration (or closing the generator) stops decoding at the next token.
@@ -522,7 +522,7 @@ class CacheBlendEngine:
         sampling: SamplingOptions | None = None,
         stats: dict | None = None,
         **options,
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, None]:
         """`stream` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
         sampling, policy_options = SamplingOptions.split(options, sampling)
         make_policy(method, None if recompute_ratio == "auto" else recompute_ratio, **policy_options)  # fail here
@@ -601,7 +601,7 @@ class CacheBlendEngine:
             return "stop", satisfied
         return "length", satisfied
 
-    def _stream(self, run_prefill, sampling: SamplingOptions, stats: dict | None) -> Iterator[str]:
+    def _stream(self, run_prefill, sampling: SamplingOptions, stats: dict | None) -> Generator[str, None, None]:
         def decode_prefill(pre: Prefill, streamer, cancel) -> torch.Tensor:
             new_ids = self._decode(pre, sampling, streamer, cancel)
             if stats is not None:  # read once the stream is exhausted

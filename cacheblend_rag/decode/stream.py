@@ -6,7 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -38,7 +38,7 @@ def token_streamer(tokenizer):
 
 def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], tokenizer, sampling: SamplingOptions,
                   decode_prefill: Callable[[Any, Any, threading.Event], Any], stats: dict | None = None,
-                  ) -> Iterator[str]:
+                  ) -> Generator[str, None, None]:
     """Yield the text pieces of the answer to the prefill that `open_prefill()` enters (on the worker thread).
 
     `decode_prefill(pre, streamer, cancel)` decodes after the prefill `pre` (the engine's chosen decoder), putting

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..decode.grammar import Grammar
@@ -103,7 +103,7 @@ def conversation(call: EngineCall) -> tuple[str, tuple[dict, ...]]:
     return turns[last]["content"], tuple(turns[:last])
 
 
-def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) -> Iterator[str]:
+def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) -> Generator[str, None, None]:
     """Text pieces of the answer; `stats` gets the engine's stats (and `retrieved`, the retrieved passages' count)."""
     s = call.sampling
     sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -136,9 +136,7 @@ def run_job(engine, retriever: Retriever, job: Job) -> None:
                 break
             job.emit(Piece(piece))
     finally:
-        close = getattr(pieces, "close", None)
-        if close is not None:
-            close()  # a stream closed early stops decoding
+        pieces.close()  # a stream closed early stops decoding
     if stopped is not None:
         logger.debug("request stopped early: %s", stopped)
         job.emit(Failed(stopped))
@@ -210,7 +208,7 @@ def step_jobs(engine, active: Sequence[ActiveRequest]) -> list[str]:
 def make_scheduler(engine, retriever: Retriever, max_queue: int, max_batch: int = 8):
     """The continuous-batching scheduler on the engine's own decoder; one request at a time (HF generate) when
     the engine decodes with decoder="hf"."""
-    if getattr(engine, "decoder", "hf") != "kv":
+    if engine.decoder != "kv":
         return Scheduler(lambda job: run_job(engine, retriever, job), max_queue)
     return BatchScheduler(lambda job: start_job(engine, retriever, job), lambda active: step_jobs(engine, active),
                           max_queue, max_batch)
