@@ -367,10 +367,11 @@ def _agent(args: argparse.Namespace, dataset: Path) -> dict:
 
 def _conversation_rss(args: argparse.Namespace, items: list[dict], engine) -> dict:
     """`--conversation --rss`: the prefix tier's bytes vs its budget and the process RSS over many short chats."""
-    from .conversation import format_rss, run_rss
+    from .conversation import distinct_chats, format_rss, run_rss
     from .report import machine
 
     budget = int(args.prefix_budget_mb * 2 ** 20)
+    items = distinct_chats(items, max(args.limit or 0, len(items)), args.chunks)  # --limit 100 > 50 questions
     result = run_rss(engine, items, budget_bytes=budget, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
                      show_progress=not args.quiet)
     result["meta"] = {"conversations": len(items), "chunks": args.chunks, "model": args.model,

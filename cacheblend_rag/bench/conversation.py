@@ -180,11 +180,22 @@ def format_conversation(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def distinct_chats(items: list[dict], count: int, num_chunks: int) -> list[dict]:
+    """`count` chats from the items: past the last item, the items again over their next `num_chunks` passages
+    (rotated), so every chat's prompt is new (the dev set has 50 questions × 10 passages)."""
+    out = []
+    for n in range(count):
+        item, shift = items[n % len(items)], (n // len(items)) * num_chunks
+        ctxs = item["ctxs"][shift % len(item["ctxs"]):] + item["ctxs"][:shift % len(item["ctxs"])]
+        out.append({**item, "ctxs": ctxs})
+    return out
+
+
 def run_rss(engine, items: list[dict], *, budget_bytes: int, num_chunks: int = 6, max_new_tokens: int = 8,
             every: int = 10, show_progress: bool = True) -> dict[str, Any]:
     """Two-turn chats, one per item, on an engine over `engine`'s model whose prefix tier holds `budget_bytes`:
     the tier's bytes (the most seen after any request too), entries, evictions and the process's RSS every
-    `every` chats."""
+    `every` chats. (`distinct_chats` makes more chats than the dataset has questions.)"""
     from ..engine import CacheBlendEngine
     from ..store.memory import MemoryStore
     from .faults import rss_bytes
