@@ -145,7 +145,7 @@ class ChainRunner:
             from langchain_classic.chains.combine_documents import create_stuff_documents_chain
         except ImportError as e:
             raise MissingDependencyError("the stuff_documents method needs langchain-classic: "
-                                         "pip install 'cacheblend-rag[bench]'") from e
+                                         "pip install -e 'benchmarks[chains]'") from e
         from langchain_core.prompts import ChatPromptTemplate
 
         prompt = ChatPromptTemplate.from_messages([
@@ -166,7 +166,7 @@ class ChainRunner:
             from llama_index.llms.cacheblend import CacheBlendLLM, LocalEmbedding
         except ImportError as e:
             raise MissingDependencyError("the llama_query method needs llama-index-core and "
-                                         "llama-index-vector-stores-chroma: pip install 'cacheblend-rag[bench]'") from e
+                                         "llama-index-vector-stores-chroma: pip install -e 'benchmarks[chains]'") from e
         method = str(spec.options.get("method", DEFAULT_CHAIN_METHOD))
         ratio = spec.ratio if spec.ratio is not None else DEFAULT_CHAIN_RATIO
         key = ("llama", method, ratio)

@@ -108,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "ms/token (writes agent.md)")
     mode.add_argument("--peers", default=None, metavar="NAMES",
                       help="with --conversation, also time these engines on the same turns: kvboost, llama.cpp "
-                           "(optional: pip install 'cacheblend-rag[peers]'; a missing one is skipped)")
+                           "(optional: pip install -e 'benchmarks[peers]'; a missing one is skipped)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")

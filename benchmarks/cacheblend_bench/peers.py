@@ -31,7 +31,7 @@ from cacheblend_rag.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 PEERS = ("kvboost", "llama.cpp")
-INSTALL_HINT = "pip install 'cacheblend-rag[peers]'"
+INSTALL_HINT = "pip install -e 'benchmarks[peers]'"
 # kvboost's chunk cache: every conversation's chunks fit (10 chats × 4 turns × ~1.2k tokens × 23 kB/token in bf16)
 KVBOOST_CACHE_BYTES = 4 << 30
 KVBOOST_MAX_CHUNKS = 4096
