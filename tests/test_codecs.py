@@ -20,8 +20,9 @@ from cacheblend_rag.store.codecs import (
     encode_chunk,
     get_codec,
     layer_nbytes,
-    measure_codec,
 )
+
+from cacheblend_bench.codec_measure import measure_codec
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # relative rounding of a value cast to each dtype (half an ulp)
@@ -456,7 +457,7 @@ def test_cachegen_half_bits_set_the_levels_between_the_whole_widths():
 
 
 def test_combined_quality_tables_keep_only_settings_every_run_has(tmp_path, capsys):
-    from cacheblend_rag.bench.codec_bench import print_combined
+    from cacheblend_bench.codec_bench import print_combined
 
     def run(path, settings, kl):
         path.write_text(json.dumps({s: {"kl": [kl, kl], "agreement": [1.0, 1.0], "bpt": [2.0, 2.0],
@@ -527,7 +528,7 @@ def test_cachegen_exact_rows_is_a_validated_parameter_in_the_header():
 
 
 def test_tail_stats_are_per_question_deltas_against_the_fp16_store():
-    from cacheblend_rag.bench.codec_bench import tail_rows, tail_stats
+    from cacheblend_bench.codec_bench import tail_rows, tail_stats
 
     n = 10
     fp16 = {"kl": [0.1] * n, "agreement": [1.0] * n, "bpt": [20.0] * n, "question": [float(i) for i in range(n)],
@@ -543,7 +544,7 @@ def test_tail_stats_are_per_question_deltas_against_the_fp16_store():
 
 
 def test_diagnosis_mix_codes_only_the_named_layers_and_puts_first_rows_back():
-    from cacheblend_rag.bench.codec_bench import _mixed
+    from cacheblend_bench.codec_bench import _mixed
 
     g = torch.Generator().manual_seed(0)
     orig = ChunkKV(tuple(torch.randn(6, 1, 4, generator=g) for _ in range(3)),

@@ -244,7 +244,7 @@ def test_unknown_decoder_is_a_config_error(tiny):
 
 
 def test_decode_bench_reports_both_decoders_and_the_bound(tiny, musique):
-    from cacheblend_rag.bench import decode_bench
+    from cacheblend_bench import decode_bench
 
     _, model, tokenizer = tiny
     engine = CacheBlendEngine(model, tokenizer)

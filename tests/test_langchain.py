@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("langchain_core")
 
-from cacheblend_rag.integrations.langchain import (  # noqa: E402
+from langchain_cacheblend import (  # noqa: E402
     CacheBlendLLM,
     CacheBlendPromptTemplate,
     CacheBlendPromptValue,
@@ -224,8 +224,8 @@ def test_example_runs(home):
 def test_bench_chain_methods_report_hits_on_warm_chunks(engine, passages):
     """`bench --methods stuff_documents,llama_query`: LangChain's create_stuff_documents_chain and LlamaIndex's
     Settings.llm + as_query_engine over ChromaVectorStore both reuse the warm passages' KV."""
-    from cacheblend_rag.bench.chains import ChainRunner, ttft_ratios
-    from cacheblend_rag.bench.methods import MethodSpec
+    from cacheblend_bench.chains import ChainRunner, ttft_ratios
+    from cacheblend_bench.methods import MethodSpec
 
     chunks = passages[:2]
     engine.ingest(chunks, show_progress=False)

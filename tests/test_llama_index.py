@@ -12,15 +12,15 @@ import pytest
 
 pytest.importorskip("llama_index.core")
 
-from cacheblend_rag.integrations.llama_index import (  # noqa: E402
+from llama_index.llms.cacheblend import (  # noqa: E402
     CacheBlendLLM,
     ChunkIdTransform,
-    KVAwareNodePostprocessor,
     LocalEmbedding,
     as_query_engine,
     build_index,
     load_documents,
 )
+from llama_index.postprocessor.cacheblend import KVAwareNodePostprocessor  # noqa: E402
 from llama_index.core import Settings  # noqa: E402
 from llama_index.core.schema import NodeRelationship, NodeWithScore, TextNode  # noqa: E402
 

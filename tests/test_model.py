@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine, ModelNotFoundError, load_model
-from cacheblend_rag.bench.metrics import first_token_kl
+from cacheblend_bench.metrics import first_token_kl
 from cacheblend_rag.fuse.policies import CacheBlend, HKVDSelection
 from cacheblend_rag.models.loader import model_folder, resolve_dtype
 

@@ -127,9 +127,9 @@ def test_the_server_takes_it_in_its_cacheblend_field(plugin, engine):
 
 
 def test_the_cli_takes_it(plugin):
-    from cacheblend_rag.cli import _policy_option, build_parser
+    from cacheblend_rag.cli import build_parser, policy_option
 
     args = build_parser().parse_args(["ask", "q?", "--method", "reuse_but_first", "--option", "extra=3",
                                       "--option", "check_layers=[1,2]"])
     assert args.method == "reuse_but_first" and dict(args.option) == {"extra": 3, "check_layers": (1, 2)}
-    assert _policy_option("deviation=kv") == ("deviation", "kv")
+    assert policy_option("deviation=kv") == ("deviation", "kv")

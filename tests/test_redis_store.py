@@ -18,7 +18,7 @@ from cacheblend_rag.store import ChunkKV, DiskStore, KVKey, LayerReadError, Memo
 from conftest import tiny_model
 
 redis = pytest.importorskip("redis") if os.environ.get("CI") != "true" else __import__("redis")
-from cacheblend_rag.bench import replicas  # noqa: E402
+from cacheblend_bench import replicas  # noqa: E402
 from cacheblend_rag.store.probe import CodecProfile  # noqa: E402
 from cacheblend_rag.store.redis import RedisStore  # noqa: E402
 

@@ -16,7 +16,7 @@ if os.environ.get("CI") != "true":
     pytest.importorskip("redis")
 
 from cacheblend_rag import settings  # noqa: E402
-from cacheblend_rag.bench.replicas import RedisServer, Replica, redis_server_binary  # noqa: E402
+from cacheblend_bench.replicas import RedisServer, Replica, redis_server_binary  # noqa: E402
 from cacheblend_rag.models.loader import model_folder  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from cacheblend_rag.bench.faults import oversized_upload  # noqa: E402
+from cacheblend_bench.faults import oversized_upload  # noqa: E402
 from test_serve import ServerProcess, _home  # noqa: E402
 
 MODEL = "tiny-llama-16k"

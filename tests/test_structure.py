@@ -249,7 +249,8 @@ def test_checker_passes_a_package_that_imports_downstream_only(tmp_path, monkeyp
 
 def test_every_module_parses_and_is_reached():
     modules, graph = import_graph()
-    assert f"{TOP}.engine" in modules and f"{TOP}.kernels" in modules and f"{TOP}.integrations.langchain" in modules
+    assert f"{TOP}.engine" in modules and f"{TOP}.kernels" in modules and f"{TOP}.cli" in modules
+    assert any(name.endswith(".langchain_cacheblend.chains") for name in modules)  # the partner packages too
     assert f"{TOP}.engine" in graph[TOP]  # the top-level __init__ re-exports the engine
 
 
@@ -259,3 +260,64 @@ def test_no_import_cycles_inside_the_package():
     if cycles:
         pytest.fail("import cycles inside cacheblend_rag (lazy imports included):\n"
                     + "\n".join(describe(c, modules, graph) for c in cycles), pytrace=False)
+
+
+# ---- the core imports no plugin: partner packages, frameworks and the benchmarks are downstream ----------------
+
+PLUGINS = ("langchain_cacheblend", "llama_index", "langchain", "cacheblend_bench", "benchmarks")
+"""Top-level names the core never imports: its partner packages, the frameworks they wrap, the benchmarks."""
+
+ALLOWED = {
+    ("cacheblend_rag/retrieval/loaders.py", "langchain_text_splitters"):
+        "split_texts' documented splitter (the [langchain] extra): a text library with no LangChain runtime, "
+        "imported inside the function",
+}
+"""(module path, imported top-level name) pairs the core may import anyway, each with its reason."""
+
+
+def _is_plugin(name: str) -> bool:
+    top = name.split(".")[0]
+    return any(top == p or top.startswith(p + "_") for p in PLUGINS)
+
+
+def plugin_imports(root: Path, repo: Path) -> list[str]:
+    """`path:line name` for every import of a plugin under `root`, wherever written (functions, try blocks and
+    TYPE_CHECKING included), less the ALLOWED pairs."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(repo).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else []
+            elif _is_import_module(node):
+                names = [node.args[0].value]
+            else:
+                continue
+            found += [f"{rel}:{node.lineno} {n}" for n in names
+                      if _is_plugin(n) and (rel, n.split(".")[0]) not in ALLOWED]
+    return found
+
+
+def test_plugin_checker_finds_lazy_typed_and_dynamic_imports(tmp_path):
+    pkg = tmp_path / "cacheblend_rag"
+    (pkg / "retrieval").mkdir(parents=True)
+    (pkg / "cli.py").write_text("def ask():\n    from langchain_cacheblend.chains import create_stuff_chain\n")
+    (pkg / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import llama_index.core\n")
+    (pkg / "dyn.py").write_text("import importlib\nimportlib.import_module('cacheblend_bench.command')\n")
+    (pkg / "core.py").write_text("from langchain_core.documents import Document\nimport langchainx\nimport os\n")
+    (pkg / "retrieval" / "loaders.py").write_text("def split():\n    import langchain_text_splitters\n")
+    assert plugin_imports(pkg, tmp_path) == [
+        "cacheblend_rag/cli.py:2 langchain_cacheblend.chains",
+        "cacheblend_rag/core.py:1 langchain_core.documents",
+        "cacheblend_rag/dyn.py:2 cacheblend_bench.command",
+        "cacheblend_rag/typed.py:3 llama_index.core",
+    ]
+
+
+def test_the_core_imports_no_partner_package_framework_or_benchmark():
+    found = plugin_imports(REPO / TOP, REPO)
+    if found:
+        pytest.fail("the core imports what depends on it (declare a subcommand in the entry-point group "
+                    "cacheblend_rag.commands, or move the code downstream):\n  " + "\n  ".join(found), pytrace=False)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from cacheblend_rag.bench import trace
-from cacheblend_rag.bench.methods import MethodSpec
+from cacheblend_bench import trace
+from cacheblend_bench.methods import MethodSpec
 from conftest import tiny_model
 
 

@@ -6,7 +6,7 @@ import re
 import string
 from collections import Counter
 
-from ..fuse.fidelity import first_token_kl  # noqa: F401 - the package's own measure, re-exported for the bench
+from cacheblend_rag.fuse.fidelity import first_token_kl  # noqa: F401 - the package's own measure, re-exported for the bench
 
 
 def normalize_answer(text: str) -> str:

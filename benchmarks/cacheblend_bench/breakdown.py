@@ -23,7 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
-from ..engine import CacheBlendEngine
+from cacheblend_rag.engine import CacheBlendEngine
 from .datasets import question_passages
 from .methods import REFERENCE, MethodSpec
 

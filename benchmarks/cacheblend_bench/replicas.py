@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, MissingDependencyError
+from cacheblend_rag.errors import ConfigError, MissingDependencyError
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class ProxyProcess:
 
     def __init__(self, target_port: int, bits_per_s: float) -> None:
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "cacheblend_rag.bench.replicas", str(target_port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "cacheblend_bench.replicas", str(target_port),
                                       str(self.port), str(bits_per_s)], stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + START_LIMIT_S  # the child imports the package (torch) first
         while True:
@@ -274,7 +274,7 @@ class ProxyProcess:
 
 
 def _serve_proxy(argv: list[str]) -> None:
-    """`python -m cacheblend_rag.bench.replicas TARGET_PORT PORT BITS_PER_S`: run a paced proxy until killed."""
+    """`python -m cacheblend_bench.replicas TARGET_PORT PORT BITS_PER_S`: run a paced proxy until killed."""
     target, port, bits = int(argv[0]), int(argv[1]), float(argv[2])
     proxy = PacedProxy(target, bits)
     proxy.port = port

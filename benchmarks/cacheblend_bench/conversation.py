@@ -49,7 +49,7 @@ def _first_turn(passages: list[str], question: str) -> list[dict[str, str]]:
 def run_conversation(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens: int = 32,
                      show_progress: bool = True, peers: Sequence[Peer] = ()) -> dict[str, Any]:
     """Every conversation, turn by turn, in the three arms (and each peer); records and a per-turn summary."""
-    from ..engine import CacheBlendEngine
+    from cacheblend_rag.engine import CacheBlendEngine
 
     if not engine.prefix_reuse:
         raise ValueError("bench --conversation needs an engine with prefix_reuse=True for its prefix arm")
@@ -196,8 +196,8 @@ def run_rss(engine, items: list[dict], *, budget_bytes: int, num_chunks: int = 6
     """Two-turn chats, one per item, on an engine over `engine`'s model whose prefix tier holds `budget_bytes`:
     the tier's bytes (the most seen after any request too), entries, evictions and the process's RSS every
     `every` chats. (`distinct_chats` makes more chats than the dataset has questions.)"""
-    from ..engine import CacheBlendEngine
-    from ..store.memory import MemoryStore
+    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.store.memory import MemoryStore
     from .faults import rss_bytes
 
     tier = MemoryStore(budget_bytes)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..engine import CacheBlendEngine
+from cacheblend_rag.engine import CacheBlendEngine
 from .methods import MethodSpec
 from .metrics import percentile
 
@@ -171,7 +171,7 @@ def run_serve_load(items: list[dict], *, model: str = "smollm2-135m", dtype: str
     import tempfile
     from pathlib import Path
 
-    from .. import settings
+    from cacheblend_rag import settings
     from .datasets import passages_of
 
     requests = [(passages_of(items[i % len(items)], num_chunks), items[i % len(items)]["question"])

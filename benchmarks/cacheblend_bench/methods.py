@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..fuse.policies import METHODS
+from cacheblend_rag.fuse.policies import METHODS
 
 # The default run: the methods the main tables compare. Cache-Craft keeps per-chunk variants across requests, so
 # it is measured where chunks recur with new companions (`bench --trace`), or here when named.

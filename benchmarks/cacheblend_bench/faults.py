@@ -150,7 +150,7 @@ def tiny_random_model(folder: Path, home: str | None) -> Path:
     import torch
     import transformers as tf
 
-    from ..models.loader import DEFAULT_MODEL, model_folder
+    from cacheblend_rag.models.loader import DEFAULT_MODEL, model_folder
 
     tokenizer = tf.AutoTokenizer.from_pretrained(model_folder(DEFAULT_MODEL, home), local_files_only=True)
     torch.manual_seed(0)
@@ -172,9 +172,9 @@ class Cluster:
     """One redis-server and two replicas (a, b), each replica with its own home; Redis is their only KV tier."""
 
     def __init__(self, workdir: Path, model: str, home: str | None) -> None:
-        from .. import settings
-        from ..models.loader import model_folder
-        from ..serve.command import served_name
+        from cacheblend_rag import settings
+        from cacheblend_rag.models.loader import model_folder
+        from cacheblend_rag.serve.command import served_name
 
         self.workdir = Path(workdir)
         self.api_key = secrets.token_hex(16)  # the replicas require it: the big_body upload goes without
@@ -607,7 +607,7 @@ def run(items: list[tuple[str, list[str]]], *, model: str, home: str | None, sce
         num_requests: int = 24, clients: int = 4, max_tokens: int = 8, seed: int = 0,
         workdir: str | None = None) -> dict:
     """Every scenario, the references, the summaries."""
-    from .. import settings
+    from cacheblend_rag import settings
 
     models = settings.models_dir()
     with tempfile.TemporaryDirectory(prefix="cacheblend-faults-", dir=workdir) as tmp:

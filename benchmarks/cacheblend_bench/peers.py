@@ -26,12 +26,12 @@ from typing import Protocol
 
 import torch
 
-from ..errors import ConfigError
+from cacheblend_rag.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 PEERS = ("kvboost", "llama.cpp")
-INSTALL_HINT = "pip install 'cacheblend-rag[peers]'"
+INSTALL_HINT = "pip install -e 'benchmarks[peers]'"
 # kvboost's chunk cache: every conversation's chunks fit (10 chats × 4 turns × ~1.2k tokens × 23 kB/token in bf16)
 KVBOOST_CACHE_BYTES = 4 << 30
 KVBOOST_MAX_CHUNKS = 4096
@@ -136,7 +136,7 @@ class LlamaCppPeer:
 def gguf_in_dtype(alias: str, dtype: torch.dtype, folder: Path) -> Path:
     """A packaged model's GGUF with its quantized tensors dequantized to `dtype`'s GGUF type, written once beside
     its converted folder `folder` (the same weights the engine loaded, dequantized the same way)."""
-    from ..models.loader import PACKAGED_GGUF
+    from cacheblend_rag.models.loader import PACKAGED_GGUF
 
     kind = _GGUF_TYPES.get(dtype)
     if kind is None:
@@ -195,7 +195,7 @@ def _write_dequantized(source: Path, target: Path, kind: str) -> None:
 def open_peers(names: tuple[str, ...], *, model: str, folder: Path, dtype: torch.dtype, recompute_ratio: float,
                context_window: int) -> tuple[list[Peer], list[str]]:
     """The named peers that can run here on `model` (loaded from `folder`), and one line for each that cannot."""
-    from ..models.loader import PACKAGED_GGUF
+    from cacheblend_rag.models.loader import PACKAGED_GGUF
 
     modules = {"kvboost": "kvboost", "llama.cpp": "llama_cpp"}
     peers: list[Peer] = []

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..engine import CacheBlendEngine
-from ..loading.profile import drop_page_cache
-from ..store import DiskStore, MemoryStore
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.loading.profile import drop_page_cache
+from cacheblend_rag.store import DiskStore, MemoryStore
 from .datasets import question_passages
 from .metrics import first_token_kl
 

@@ -34,8 +34,8 @@ def cross_replica(items: list[tuple[str, list[str]]], *, model: str, home: str |
     answers twice, first reading the chunks from Redis, then from its memory tier, where the first read promoted
     them.
     """
-    from ..engine import CacheBlendEngine
-    from ..store import open_store
+    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.store import open_store
 
     base = CacheBlendEngine.from_pretrained(model, kv_store=None, device=device, dtype=dtype, home=home)
     rows = []
@@ -70,8 +70,8 @@ def cross_replica(items: list[tuple[str, list[str]]], *, model: str, home: str |
 def remote_codecs(items: list[tuple[str, list[str]]], *, model: str, home: str | None, ratio: float = 0.15,
                   bits_per_s: float = 1e9, device: str = "cpu", dtype: str = "float32") -> dict:
     """TTFT per codec with Redis behind a paced link, against recompute; medians over the questions."""
-    from ..engine import CacheBlendEngine
-    from ..store.redis import RedisStore
+    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.store.redis import RedisStore
     from .metrics import first_token_kl
 
     base = CacheBlendEngine.from_pretrained(model, kv_store=None, device=device, dtype=dtype, home=home)

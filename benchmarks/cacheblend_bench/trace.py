@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..engine import CacheBlendEngine
-from ..store import MemoryStore
-from ..fuse.policies import POLICIES, option_names
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.store import MemoryStore
+from cacheblend_rag.fuse.policies import POLICIES, option_names
 from .datasets import passages_of
 from .methods import REFERENCE, MethodSpec
 from .metrics import first_token_kl, rouge_l, token_f1

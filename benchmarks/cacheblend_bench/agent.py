@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .. import tools
+from cacheblend_rag import tools
 from .datasets import passages_of
 
 RATIO = 0.15

@@ -1,4 +1,4 @@
-"""`cacheblend-rag bench`: the one command line of the benchmarks (nothing else imports this module but the CLI).
+"""`cacheblend-rag bench`: the one command line of the benchmarks (registered by `cli`).
 
     cacheblend-rag bench --limit 20 --chunks 6 --out bench-results          # every method, chains included
     cacheblend-rag bench --limit 20 --methods full_prefill,prefix_cache,full_reuse,cacheblend   # engine only
@@ -47,7 +47,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options, on the `cacheblend-rag bench` parser."""
-    from .. import settings
+    from cacheblend_rag import settings
     from .datasets import FALLBACK_DATASET
 
     data = parser.add_argument_group("data")
@@ -108,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "ms/token (writes agent.md)")
     mode.add_argument("--peers", default=None, metavar="NAMES",
                       help="with --conversation, also time these engines on the same turns: kvboost, llama.cpp "
-                           "(optional: pip install 'cacheblend-rag[peers]'; a missing one is skipped)")
+                           "(optional: pip install -e 'benchmarks[peers]'; a missing one is skipped)")
     modes.add_argument("--sweep", action="store_true",
                        help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
                        "also writes quality_vs_ratio.png")
@@ -185,7 +185,7 @@ def _questions_and_engine(args: argparse.Namespace, dataset: Path):
 
 def _engine(args: argparse.Namespace, kv_store: str | None):
     """The engine the options describe (torch's threads set first)."""
-    from ..engine import CacheBlendEngine
+    from cacheblend_rag.engine import CacheBlendEngine
 
     if args.threads:
         import torch
@@ -223,7 +223,7 @@ def execute(args: argparse.Namespace) -> dict:
     if args.agent:
         return _agent(args, dataset)
     if args.peers:
-        from ..errors import ConfigError
+        from cacheblend_rag.errors import ConfigError
 
         raise ConfigError("--peers times other engines on --conversation's turns; add --conversation")
     if args.breakdown:
@@ -320,7 +320,7 @@ def _frames(args: argparse.Namespace, dataset: Path) -> dict:
 def _conversation(args: argparse.Namespace, dataset: Path) -> dict:
     """`--conversation`: 4-turn chats, stored prefixes vs none vs full prefill; prints and writes conversation.md."""
     from .conversation import RATIO, format_conversation, format_peers, run_conversation, summarize_peers
-    from ..models.loader import model_folder
+    from cacheblend_rag.models.loader import model_folder
     from .peers import open_peers, parse_peers
     from .report import machine
 

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..decode.generate import SamplingOptions, decode
-from ..decode.kv_decode import KVDecoder, kv_decode
-from ..engine import CacheBlendEngine
-from ..kernels.decode_step import library as decode_kernel
+from cacheblend_rag.decode.generate import SamplingOptions, decode
+from cacheblend_rag.decode.kv_decode import KVDecoder, kv_decode
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.kernels.decode_step import library as decode_kernel
 
 logger = logging.getLogger(__name__)
 

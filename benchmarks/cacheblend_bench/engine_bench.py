@@ -14,7 +14,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..engine import CacheBlendEngine
+from cacheblend_rag.engine import CacheBlendEngine
 from .datasets import question_passages
 from .methods import REFERENCE, MethodSpec
 from .metrics import best_f1, first_token_kl, percentile, rouge_l, token_f1

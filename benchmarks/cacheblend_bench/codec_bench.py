@@ -1,4 +1,4 @@
-"""KV codecs on real KV: size, error, speed and first-token KL (`python -m cacheblend_rag.bench.codec_bench`).
+"""KV codecs on real KV: size, error, speed and first-token KL (`cacheblend-bench codecs`).
 
 Not a timed test: timings depend on the machine's load. The KL part stores each chunk's KV passed
 through a codec (encode, decode to the engine's dtype) and compares a CacheBlend prefill over it
@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
-from ..store import KVKey
-from ..store.base import ChunkKV
-from ..store.codecs import GROUP_SPEED_HEADER, MEASUREMENT_HEADER, decode_chunk, encode_chunk, get_codec, layer_nbytes, measure_codec
+from cacheblend_rag.store import KVKey
+from cacheblend_rag.store.base import ChunkKV
+from cacheblend_rag.store.codecs import decode_chunk, encode_chunk, get_codec, layer_nbytes
+
+from .codec_measure import GROUP_SPEED_HEADER, MEASUREMENT_HEADER, measure_codec
 from .datasets import load_dataset, passages_of, resolve_dataset
 from .metrics import first_token_kl, percentile, token_f1
 
@@ -175,7 +177,7 @@ class _Answer:
 
 def _question_state(engine, item: dict, texts: list[str], max_new_tokens: int, reuse_dir: str | Path | None):
     """(store keys, chunk KVs, full-prefill answer) of one question: computed, or read from `reuse_dir`."""
-    from ..ingest.chunks import make_chunk
+    from cacheblend_rag.ingest.chunks import make_chunk
 
     path = None
     if reuse_dir is not None:
@@ -219,7 +221,7 @@ def trace_loop(engine, trace: list[tuple[list[str], str]], codecs: list[str], *,
                recompute_ratio: float = 0.15) -> dict[str, dict[str, float]]:
     """Per codec: a memory tier whose byte budget holds `budget_fraction` of the trace's distinct chunks in fp16,
     the trace replayed through cacheblend; chunk hit rate, median and mean TTFT, entries held at the end."""
-    from ..store import MemoryStore
+    from cacheblend_rag.store import MemoryStore
 
     distinct = sorted({t for texts, _ in trace for t in texts})
     tokens = sum(len(engine.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in distinct)
@@ -251,9 +253,9 @@ def bandwidth_loop(engine, items: list[dict], codecs: list[str], bandwidths: lis
     every chunk a hit; with `disk_root`, also from a disk tier whose page cache is dropped before each request; and
     of recomputing everything (full prefill) for reference. Per tier, "load share" is the median of the loop's KV
     reading and decoding time over the rest of its layer time (what the issue's "≤ 10% of the layer" means)."""
-    from ..store import DiskStore, MemoryStore
-    from ..store.probe import drop_page_cache
-    from ..store.throttled import ThrottledStore
+    from cacheblend_rag.store import DiskStore, MemoryStore
+    from cacheblend_rag.store.probe import drop_page_cache
+    from cacheblend_rag.store.throttled import ThrottledStore
 
     out: dict[str, dict[str, float]] = {}
     plain = MemoryStore(None)
@@ -470,9 +472,8 @@ def print_combined(paths: list[str]) -> None:
         print(f"\nper question, vs the fp16 store\n{TAIL_HEADER}\n" + "\n".join(tail_rows(merged)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Print the size/error/speed table and, unless --no-quality, the quality table (KL, agreement)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The codec bench's options, on its parser (`cacheblend-rag codec-bench`, `cacheblend-bench codecs`)."""
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--questions", type=int, default=2, help="questions whose passages give the KV to measure")
@@ -514,7 +515,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="print one quality table from --json files of runs over disjoint questions, and exit")
     parser.add_argument("--no-sizes", action="store_true", help="skip the size/error/speed table")
     parser.add_argument("--no-quality", "--no-kl", action="store_true", help="skip the quality table")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Print the size/error/speed table and, unless --no-quality, the quality table (KL, agreement)."""
     if args.combine:
         print_combined(args.combine)
         return
@@ -525,7 +529,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from ..engine import CacheBlendEngine
+    from cacheblend_rag.engine import CacheBlendEngine
 
     path = resolve_dataset(None)
     if path is None:
@@ -605,6 +609,13 @@ def main(argv: list[str] | None = None) -> None:
     if "fp16" in results:
         print(f"\nper question, vs the fp16 store ({args.dtype})\n{TAIL_HEADER}\n" + "\n".join(tail_rows(results)),
               flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m cacheblend_bench.codec_bench`: the same as `cacheblend-bench codecs`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..engine import CacheBlendEngine
-from ..errors import MissingDependencyError
-from ..fuse.layout import assemble
+from cacheblend_rag.engine import CacheBlendEngine
+from cacheblend_rag.errors import MissingDependencyError
+from cacheblend_rag.fuse.layout import assemble
 from .methods import MethodSpec
 
 DEFAULT_CHAIN_METHOD = "cacheblend"
@@ -58,7 +58,7 @@ class ChainRunner:
     """Builds the LLMs once and runs a chain method on one question's passages."""
 
     def __init__(self, engine: CacheBlendEngine, *, max_new_tokens: int, seed: int = 0) -> None:
-        from ..integrations.langchain import CacheBlendLLM  # noqa: F401 (fails early without langchain-core)
+        from langchain_cacheblend import CacheBlendLLM  # noqa: F401 (fails early without langchain-core)
 
         self.engine = engine
         self.max_new_tokens = max_new_tokens
@@ -73,7 +73,7 @@ class ChainRunner:
 
     def cacheblend_llm(self, spec: MethodSpec):
         """A CacheBlendLLM on the shared engine, with the spec's method and ratio."""
-        from ..integrations.langchain import CacheBlendLLM
+        from langchain_cacheblend import CacheBlendLLM
 
         method = str(spec.options.get("method", DEFAULT_CHAIN_METHOD))
         ratio = spec.ratio if spec.ratio is not None else DEFAULT_CHAIN_RATIO
@@ -101,7 +101,7 @@ class ChainRunner:
         from langchain_core.documents import Document
         from langchain_core.runnables import RunnableLambda
 
-        from ..integrations.langchain import (
+        from langchain_cacheblend import (
             ChunkIdRetriever,
             create_map_reduce_chain,
             create_map_rerank_chain,
@@ -128,7 +128,7 @@ class ChainRunner:
 
     def chat_model(self, spec: MethodSpec):
         """A ChatCacheBlend on the shared engine, with the spec's method and ratio."""
-        from ..integrations.langchain import ChatCacheBlend
+        from langchain_cacheblend import ChatCacheBlend
 
         method = str(spec.options.get("method", DEFAULT_CHAIN_METHOD))
         ratio = spec.ratio if spec.ratio is not None else DEFAULT_CHAIN_RATIO
@@ -145,7 +145,7 @@ class ChainRunner:
             from langchain_classic.chains.combine_documents import create_stuff_documents_chain
         except ImportError as e:
             raise MissingDependencyError("the stuff_documents method needs langchain-classic: "
-                                         "pip install 'cacheblend-rag[bench]'") from e
+                                         "pip install -e 'benchmarks[chains]'") from e
         from langchain_core.prompts import ChatPromptTemplate
 
         prompt = ChatPromptTemplate.from_messages([
@@ -163,10 +163,10 @@ class ChainRunner:
             from llama_index.core.schema import TextNode
             from llama_index.vector_stores.chroma import ChromaVectorStore
 
-            from ..integrations.llama_index import CacheBlendLLM, LocalEmbedding
+            from llama_index.llms.cacheblend import CacheBlendLLM, LocalEmbedding
         except ImportError as e:
             raise MissingDependencyError("the llama_query method needs llama-index-core and "
-                                         "llama-index-vector-stores-chroma: pip install 'cacheblend-rag[bench]'") from e
+                                         "llama-index-vector-stores-chroma: pip install -e 'benchmarks[chains]'") from e
         method = str(spec.options.get("method", DEFAULT_CHAIN_METHOD))
         ratio = spec.ratio if spec.ratio is not None else DEFAULT_CHAIN_RATIO
         key = ("llama", method, ratio)
@@ -228,7 +228,7 @@ class ChainRunner:
 
     def _run_stuff_documents(self, chain, question: str) -> dict:
         """create_retrieval_chain: TTFT to the first non-empty `answer` piece; stats through callbacks."""
-        from ..integrations.langchain import StatsCallbackHandler
+        from langchain_cacheblend import StatsCallbackHandler
 
         started = time.perf_counter()
         first = None
@@ -285,7 +285,7 @@ class ChainRunner:
 
     def run(self, spec: MethodSpec, passages: list[str], question: str) -> dict:
         """Stream once (TTFT), invoke once (latency, answer, engine stats); a record without KL/match."""
-        from ..integrations.langchain import StatsCallbackHandler
+        from langchain_cacheblend import StatsCallbackHandler
 
         chain = self.chain(spec, passages)
         if spec.method == "tutorial":

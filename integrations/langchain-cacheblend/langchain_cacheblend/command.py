@@ -1,0 +1,108 @@
+"""`cacheblend-rag ask`: a question answered by a LangChain chain over the ingested chunks.
+
+The core CLI finds this subcommand through the entry-point group `cacheblend_rag.commands` (this package's
+pyproject.toml), so `cacheblend_rag` never imports LangChain for it. The chain modules are imported when the
+command runs, not when the CLI builds its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cacheblend_rag.arguments import positive_int
+from cacheblend_rag.cli import add_data_arguments, chunk_store, check_device, open_engine, policy_option, ratio_arg
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.fuse.policies import POLICIES
+
+CHAINS = ("map_reduce", "map_rerank")
+
+
+def add_ask(subparsers: argparse._SubParsersAction) -> None:
+    """The `cacheblend-rag ask` parser (registered in the entry-point group `cacheblend_rag.commands`)."""
+    p = subparsers.add_parser("ask", help="answer a question from the ingested chunks",
+                              description="Retrieve the top-k chunks and answer through CacheBlend (or the chosen "
+                              "prefill method, or a map-reduce / map-rerank chain).")
+    p.add_argument("question", help="the question (must not be empty)")
+    add_data_arguments(p)
+    p.add_argument("--k", type=positive_int, default=6, help="chunks to retrieve (default 6)")
+    p.add_argument("--method", default="cacheblend", choices=(*POLICIES, *CHAINS),
+                   help="prefill method (stuff chain) or chain; default cacheblend")
+    p.add_argument("--option", action="append", type=policy_option, default=[], metavar="KEY=VALUE",
+                   help="an option of the method's policy, e.g. --option check_layers=[1,2] --option guard=0.1 "
+                        "(VALUE is JSON, else a string; repeatable)")
+    p.add_argument("--ratio", type=ratio_arg, default=0.15,
+                   help="CacheBlend recompute ratio in [0, 1] (default 0.15)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="most tokens to generate (default 64)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help='stop the answer at TEXT (repeatable; default: a blank line or a new "Question:" line; '
+                        '--stop "" for none)')
+    p.add_argument("--json", action="store_true", help="print one JSON object: answer, chunks, stats")
+    p.set_defaults(func=_run_ask)
+
+
+def _merge_stats(requests: list[dict], chain: str) -> dict:
+    """One stats dict for the run: the single call's stats, or a merge over map/reduce calls."""
+    if not requests:
+        return {"chain": chain, "llm_calls": 0}
+    if len(requests) == 1:
+        return {"chain": chain, "llm_calls": 1, **requests[0]}
+    per_chunk: dict[str, str] = {}
+    for r in requests:
+        for cid, state in r.get("per_chunk", {}).items():
+            per_chunk[cid] = "hit" if per_chunk.get(cid) == "hit" or state == "hit" else state
+    return {
+        "chain": chain, "llm_calls": len(requests), "method": requests[0].get("method"),
+        "chunk_hits": [c for c, s in per_chunk.items() if s == "hit"],
+        "chunk_misses": [c for c, s in per_chunk.items() if s != "hit"],
+        "per_chunk": per_chunk,
+        "num_recomputed": sum(r.get("num_recomputed", 0) for r in requests),
+        "ttft_s": requests[0].get("ttft_s"), "total_ttft_s": sum(r.get("ttft_s", 0.0) for r in requests),
+        "calls": requests,
+    }
+
+
+def _run_ask(args: argparse.Namespace) -> int:
+    from langchain_cacheblend.callbacks import StatsCallbackHandler
+    from langchain_cacheblend.chains import create_map_reduce_chain, create_map_rerank_chain, create_stuff_chain
+    from langchain_cacheblend.llms import CacheBlendLLM
+    from langchain_cacheblend.retrievers import ChromaRetriever, ChunkIdRetriever
+
+    if not args.question.strip():
+        raise ConfigError('the question is empty; ask something, e.g. cacheblend-rag ask "How many eyes does a '
+                          'honeybee have?"')
+    check_device(args.device)
+    store = chunk_store(args, create=False)
+    if store.count() == 0:
+        print(f"error: collection {args.collection!r} at {store.location} is empty: nothing to answer from; run "
+              "`cacheblend-rag ingest PATH` with the same --home/--collection first", file=sys.stderr)
+        return 1
+    engine = open_engine(args)
+    method = args.method if args.method in POLICIES else "cacheblend"
+    # One paragraph by default; a base model (no chat template, e.g. gemma3-270m) answering the plain template's
+    # "Question: ...\nAnswer:" goes on to write the next "Question:" after a single newline.
+    stop = [s for s in (args.stop if args.stop is not None else ["\n\n", "\nQuestion:"]) if s]
+    llm = CacheBlendLLM(engine=engine, model=args.model, method=method, recompute_ratio=args.ratio,
+                        max_new_tokens=args.max_new_tokens, stop=stop or None, policy_options=dict(args.option))
+    retriever = ChunkIdRetriever(base=ChromaRetriever(store=store, k=args.k))
+    make = {"map_reduce": create_map_reduce_chain, "map_rerank": create_map_rerank_chain}.get(args.method,
+                                                                                             create_stuff_chain)
+    handler = StatsCallbackHandler()
+    answer = make(retriever, llm).invoke(args.question, config={"callbacks": [handler]})
+    chunk_ids = handler.retrieved[-1] if handler.retrieved else []
+    stats = _merge_stats(handler.requests, args.method if args.method in CHAINS else "stuff")
+    if args.json:
+        print(json.dumps({"answer": answer, "chunks": chunk_ids, "stats": stats}))
+        return 0
+    print(answer)
+    per_chunk = stats.get("per_chunk", {})
+    hits = sum(1 for s in per_chunk.values() if s == "hit")
+    line = f"[{stats.get('method')}, {stats['chain']} chain, {stats['llm_calls']} LLM call(s)] " \
+           f"chunks: {len(chunk_ids)} retrieved, {hits} KV hits, {len(per_chunk) - hits} misses"
+    if stats.get("method") == "cacheblend" and "recompute_ratio_effective" in stats:
+        line += f"; recomputed {100 * stats['recompute_ratio_effective']:.1f}% of reused tokens"
+    if stats.get("ttft_s") is not None:
+        line += f"; TTFT {stats['ttft_s']:.3f} s"
+    print(line)
+    return 0
