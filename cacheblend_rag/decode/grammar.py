@@ -102,9 +102,10 @@ class Grammar:
 
 # Closing within the token budget: when the tokens left barely suffice to complete the grammar, each step keeps
 # only the allowed punctuation tokens that close something (inside a string, those starting with its closing quote;
-# outside, those starting with `}` or `]`, else with a quote that opens a required key or value), so a small model
-# that repeats itself inside a string field still ends with text that parses. Objects are best closed
-# (additionalProperties false, as structured output and tool calls make them): in an open one the keys are free.
+# outside, those starting with `}` or `]` or an empty `[]` / `{}` value, else with a quote that opens a required key
+# or value), so a small model that repeats itself inside a string field still ends with text that parses. Objects
+# are best closed (additionalProperties false, as structured output and tool calls make them): in an open one the
+# keys are free.
 QUOTE, BRACKET = 1, 2  # what a token starts with (after spaces), from `token_leads`
 CLOSE_MARGIN = 2  # spare tokens for the model's own closing choices, which may be longer than the walk's
 RECHECK_EVERY = 16  # steps between estimates while the budget is far from the estimate
@@ -129,9 +130,11 @@ def token_leads(tokenizer) -> TokenLeads:
     texts = tuple(tokenizer.decode([i]) for i in range(len(tokenizer)))
     leads = np.zeros(len(texts), dtype=np.int8)
     for token_id, text in enumerate(texts):
-        head = text.lstrip()[:1]
-        if head and set(text) <= PUNCTUATION:
-            leads[token_id] = QUOTE if head == '"' else BRACKET if head in ("}", "]") else 0
+        body = text.lstrip()
+        if body[:2] in ("[]", "{}") and set(body[2:]) <= PUNCTUATION:  # an empty array or object, whole
+            leads[token_id] = BRACKET
+        elif body and set(text) <= PUNCTUATION:
+            leads[token_id] = QUOTE if body[0] == '"' else BRACKET if body[0] in ("}", "]") else 0
     return TokenLeads(texts, leads, np.array([max(len(t), 1) for t in texts], dtype=np.int32))
 
 
