@@ -241,3 +241,16 @@ def test_the_prefix_tier_never_holds_more_than_its_budget(tokenizer):
         most = max(most, prefixes.stats()["bytes"])
         assert prefixes.stats()["bytes"] <= budget
     assert prefixes.stats()["evictions"] > 0 and most > budget // 2
+
+
+def test_the_cache_remembers_a_bounded_number_of_its_own_prefixes(tokenizer, monkeypatch):
+    # a store evicts without telling the cache: its record of the prefixes it stored must not grow per request
+    from cacheblend_rag.fuse import chunk_cache
+
+    monkeypatch.setattr(chunk_cache, "_MAX_OWN_PREFIXES", 3)
+    engine = _tiny_engine(tokenizer)
+    for n in range(6):
+        engine.generate_prompt(f"Question {n}: " + PROMPT, "full_prefill", max_new_tokens=2)
+    assert len(engine.cache._prefix_entries) == 3
+    last = "Question 5: " + PROMPT
+    assert engine.prefill_prompt(last + " More.").stats["num_prefix_rows"] > 0  # the newest is still found

@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 PREFIX_BLOCK = 16  # tokens per block of a stored prefix (vLLM's default block size)
 _MAX_INDEXED_BLOCKS = 1 << 18  # block hashes this process remembers (≈ 40 MB); older ones are found by probing
+# entries this process stored that it remembers as its own (a store evicts without telling this cache, so without
+# a bound a long-running server would keep one name per request it ever answered)
+_MAX_OWN_PREFIXES = 1 << 16
 
 
 def _ids_bytes(token_ids: Sequence[int]) -> bytes:
@@ -91,7 +94,7 @@ class ChunkCache:
         self.prefix_block = prefix_block  # tokens per block of stored prefixes; 0: no prefix is stored or looked up
         self.prefix_store = store if prefix_store is None else prefix_store  # where stored prefixes live
         self._prefix_index: OrderedDict[str, str] = OrderedDict()  # block hash → name of an entry holding it
-        self._prefix_entries: dict[str, int] = {}  # entries this process stored → their number of blocks
+        self._prefix_entries: OrderedDict[str, int] = OrderedDict()  # entries this process stored → their blocks
 
     def namespace_for(self, lead_in_ids: Sequence[int]) -> str:
         """Fingerprint of model, tokenizer and lead-in: every KV it names was computed under all three."""
@@ -251,6 +254,9 @@ class ChunkCache:
             if self._prefix_entries.pop("pfx-" + h, None) is not None:
                 self.prefix_store.delete(self._prefix_key(h))
         self._prefix_entries[name] = len(hashes)
+        self._prefix_entries.move_to_end(name)
+        while len(self._prefix_entries) > _MAX_OWN_PREFIXES:  # the oldest: most likely evicted long ago
+            self._prefix_entries.popitem(last=False)
         for h in hashes:
             self._prefix_index[h] = name
             self._prefix_index.move_to_end(h)
