@@ -30,6 +30,7 @@ from .errors import ConfigError
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
 CHOICES = ("auto", "none", "required")
+PLAIN_TEXT = r"/[^<][\s\S]*/"  # Lark: text that does not start with "<", so it can never be a malformed call
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def tool_grammar(functions: Sequence[dict[str, Any]], choice: str,
     `answer`: a JSON schema the plain answer must match instead ("auto" with a response format: a call or that
     JSON, which starts with "{" and so can never be a malformed call)."""
     if choice == "none":  # plain text that cannot start a call (or the response format's JSON)
-        return Grammar.lark("start: /[^<][\\s\\S]*/\n") if answer is None else Grammar.json_schema(answer)
+        return Grammar.lark(f"start: {PLAIN_TEXT}\n") if answer is None else Grammar.json_schema(answer)
     targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
     # JSON embedded in Lark gets the same spacing options as a plain schema: without them whitespace is free
     # inside a call, and SmolLM2 emitted newlines after `"arguments": {` until max_tokens
@@ -110,7 +111,7 @@ def tool_grammar(functions: Sequence[dict[str, Any]], choice: str,
     if choice == "auto" and answer is not None:
         return Grammar.lark(f"start: call | answer\n{call}\nanswer: %json {json.dumps(with_json_options(answer))}\n")
     if choice == "auto":  # plain text may not start with "<", so it can never be a malformed call
-        return Grammar.lark(f"start: call | text\n{call}\ntext: /[^<][\\s\\S]*/\n")
+        return Grammar.lark(f"start: call | text\n{call}\ntext: {PLAIN_TEXT}\n")
     return Grammar.lark(f"start: call\n{call}\n")
 
 

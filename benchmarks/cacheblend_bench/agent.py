@@ -8,9 +8,9 @@ Per question, the agent loop of LangChain's RAG tutorial in the package's generi
     step 2  the history with the call and its result, tool_choice "auto": a plain answer or one more call
 
 Per step: TTFT, rows from a stored prefix / stored chunks / computed, tokens, whether the call parsed. The cost of
-constrained decoding is timed on the same prompts, interleaved: each step's answer decoded with its grammar and
-without one (the same number of tokens, `ignore EOS` by giving the free run the constrained run's length as budget
-and counting only runs of more than one token), as decode ms per token after the first.
+constrained decoding is timed on the same prompts, interleaved: each step's answer decoded with its grammar, then
+without one under the constrained run's length as budget (a free run may stop earlier at EOS; only runs of more
+than one token count), as decode ms per token after the first.
 """
 
 from __future__ import annotations
@@ -43,11 +43,6 @@ def _timed(engine, messages: list[dict], grammar, max_new_tokens: int):
     return out, per_token
 
 
-def _free_cost(engine, messages: list[dict], num_tokens: int) -> float | None:
-    """Decode ms per token of the same prompt without a grammar, over (up to) the same number of tokens."""
-    return _timed(engine, messages, None, max(num_tokens, 2))[1]
-
-
 def run_agent(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens: int = 48,
               show_progress: bool = True) -> dict[str, Any]:
     """Every question through the two-step agent loop; records per step and a summary."""
@@ -65,7 +60,7 @@ def run_agent(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens:
             prompt = tools.with_tools_prompt(history, functions)
             grammar = tools.tool_grammar(functions, choice)
             out, constrained_ms = _timed(engine, prompt, grammar, max_new_tokens)
-            free_ms = _free_cost(engine, prompt, len(out.token_ids))
+            free_ms = _timed(engine, prompt, None, max(len(out.token_ids), 2))[1]  # the same prompt, no grammar
             content, calls = tools.parse_tool_calls(out.text, functions)
             s = out.stats
             records.append({

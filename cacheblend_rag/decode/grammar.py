@@ -233,7 +233,7 @@ class GrammarState:
     def allowed(self, width: int, matcher=None) -> np.ndarray:
         """(width,) bool over the logits: the tokens the grammar (or `matcher`, a copy of it) allows next (only
         EOS once it is complete); logits wider than the tokenizer's vocabulary (padding rows) are never allowed."""
-        (matcher or self.matcher).unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
+        (self.matcher if matcher is None else matcher).unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
         # bit i of 32-bit word j is token 32j + i: the words' little-endian bytes unpacked low bit first
         bits = np.unpackbits(self._words.numpy().view(np.uint8), bitorder="little").view(np.bool_)
         out = np.zeros(width, dtype=np.bool_)
