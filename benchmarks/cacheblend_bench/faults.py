@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import secrets
 import select
 import socket
@@ -303,6 +304,24 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def _read_answer(sock: socket.socket) -> bytes:
+    """An HTTP answer read whole: its headers and Content-Length bytes of body (they may come in separate packets),
+    or what came before the server closed or reset the connection."""
+    raw = b""
+    try:
+        while True:
+            head, sep, body = raw.partition(b"\r\n\r\n")
+            length = re.search(rb"(?im)^content-length:\s*(\d+)", head) if sep else None
+            if length and len(body) >= int(length.group(1)):
+                return raw
+            piece = sock.recv(65536)
+            if not piece:
+                return raw
+            raw += piece
+    except (ConnectionResetError, TimeoutError):
+        return raw
+
+
 def oversized_upload(port: int, headers: dict[str, str], limit: int = BIG_BODY_BYTES
                      ) -> tuple[int | None, int, bytes]:
     """A chunked POST of up to `limit` bytes to 127.0.0.1:port, stopped as soon as the server answers: (its status,
@@ -324,10 +343,7 @@ def oversized_upload(port: int, headers: dict[str, str], limit: int = BIG_BODY_B
             return None, sent, b""  # it stopped reading without answering
         if not select.select([sock], [], [], 10)[0]:
             return None, sent, b""
-        try:
-            raw = sock.recv(65536)
-        except ConnectionResetError:
-            raw = b""
+        raw = _read_answer(sock)
     first = raw.split(b"\r\n", 1)[0].split()
     return (int(first[1]) if len(first) >= 2 and first[0].startswith(b"HTTP/") else None), sent, raw
 
