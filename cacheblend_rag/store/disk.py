@@ -69,11 +69,16 @@ def _short(value: object) -> str:
     return text if len(text) <= _LOGGED_CHARS else f"{text[:_LOGGED_CHARS]}... ({len(text)} chars)"
 
 
-def _check_file(path: Path) -> None:
-    """Raise _Corrupt unless path is a regular file whose safetensors header is of a sane size.
+_FD_DIR = Path("/proc/self/fd")  # Linux: re-opening /proc/self/fd/N opens the very inode fd N holds
 
-    Opened non-blocking and checked with fstat first, so a FIFO or device at a KV path never hangs a request,
-    and the header length is bounded before safetensors parses it.
+
+def _open_pinned(path: Path):
+    """A safetensors handle on the file now at path, and that file's signature; _Corrupt if it is not sane.
+
+    The file is opened once, non-blocking and checked with fstat first (so a FIFO or device at a KV path never
+    hangs a request), and the header length is bounded before safetensors parses it. safe_open opens its path
+    twice (header map, then torch's storage), so on Linux it is given /proc/self/fd/N: both opens reach the
+    inode checked here even while writers keep replacing the path.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
@@ -81,13 +86,16 @@ def _check_file(path: Path) -> None:
         if not stat.S_ISREG(st.st_mode):
             raise _Corrupt("not a regular file")
         head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise _Corrupt("shorter than a safetensors header")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > st.st_size:
+            raise _Corrupt(f"header length {header_len} is out of bounds for a {st.st_size}-byte file")
+        pinned = _FD_DIR / str(fd) if _FD_DIR.is_dir() else path
+        handle = safe_open(pinned, framework="pt", device="cpu")
     finally:
-        os.close(fd)
-    if len(head) < 8:
-        raise _Corrupt("shorter than a safetensors header")
-    (header_len,) = struct.unpack("<Q", head)
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > st.st_size:
-        raise _Corrupt(f"header length {header_len} is out of bounds for a {st.st_size}-byte file")
+        os.close(fd)  # the handle keeps its own maps of the inode
+    return handle, (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -176,8 +184,7 @@ class DiskStore(KVStore):
             if sig is None:
                 break
             try:
-                _check_file(path)
-                handle = safe_open(path, framework="pt", device="cpu")  # held: reads stay on this inode
+                handle, sig = _open_pinned(path)  # held: reads stay on this inode
             except FileNotFoundError:
                 break
             except Exception as e:  # noqa: BLE001 - anything unreadable is a corrupt entry
@@ -377,16 +384,16 @@ class DiskStore(KVStore):
 
     def _guarded(self, path: Path, fn: Callable[[Any], T]) -> T | None:
         """Run fn on the opened file; a bad file is logged, quarantined and becomes None."""
-        # safe_open re-opens the path for tensor data, so a concurrent os.replace can mix two
-        # files in one read. The crc32s catch that; a changed file signature tells it apart
-        # from real corruption, and we simply read again.
+        # Reads are pinned to one inode where /proc/self/fd exists; elsewhere a concurrent os.replace can mix two
+        # files in one read. The crc32s catch that; a changed file signature tells it apart from real corruption,
+        # and we simply read again.
         for _ in range(_READ_ATTEMPTS):
             sig = self._signature(path)
             if sig is None:
                 return None
             try:
-                _check_file(path)
-                with safe_open(path, framework="pt", device="cpu") as f:
+                handle, sig = _open_pinned(path)
+                with handle as f:
                     return fn(f)
             except FileNotFoundError:  # evicted or deleted meanwhile: a plain miss
                 with self._lock:
