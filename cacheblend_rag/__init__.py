@@ -1,5 +1,6 @@
 """cacheblend_rag: fast RAG by fusing the cached KV of retrieved chunks (CacheBlend) on HF transformers."""
 
+from .decode.generate import SamplingOptions
 from .decode.grammar import Grammar, GrammarError
 from .engine import CacheBlendEngine, Generation, Prefill
 from .errors import (
@@ -17,11 +18,12 @@ from .fuse.layout import PromptTemplate
 from .fuse.policies import METHODS, CacheBlend, FullPrefill, FullReuse, PrefixCache, make_policy
 from .ingest.chunks import Chunk, chunk_id
 from .models.loader import DEFAULT_MODEL, load_model
+from .request import Request
 
 __all__ = [
     "DEFAULT_MODEL", "METHODS", "CacheBlend", "CacheBlendEngine", "CacheBlendError", "CacheFormatError", "Chunk",
     "ChunkError", "ConfigError", "FullPrefill", "FullReuse", "Generation", "Grammar", "GrammarError",
     "MissingDependencyError", "ModelNotCachedError", "ModelNotFoundError", "Prefill", "PrefixCache", "PromptTemplate", "PromptTooLongError",
-    "UnsupportedModelError", "chunk_id", "load_model", "make_policy",
+    "Request", "SamplingOptions", "UnsupportedModelError", "chunk_id", "load_model", "make_policy",
 ]
 __version__ = "0.1.0"

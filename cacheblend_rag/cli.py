@@ -33,7 +33,6 @@ from collections.abc import Callable, Sequence
 from . import settings
 from .arguments import parse_size, positive_int
 from .errors import CacheBlendError, ConfigError
-from .fuse.policies import POLICIES
 from .models.loader import DEFAULT_MODEL
 
 DEFAULT_COLLECTION = "cacheblend_chunks"  # same as retrieval.chroma.DEFAULT_COLLECTION, without importing chromadb

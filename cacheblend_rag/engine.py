@@ -28,7 +28,7 @@ from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
 from .fuse.placement import Placements
-from .fuse.policies import CacheCraft, make_policy
+from .fuse.policies import CacheCraft
 from .fuse.policy import FusionRequest, Policy
 from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_chunks
 from .fuse.sequence import FusedSequence
@@ -43,6 +43,7 @@ from .loading.profile import load_or_measure
 from .models.adapter import get_adapter
 from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from .models.loader import DEFAULT_MODEL, load_model
+from .request import Prompt, Request
 from .store import KVStore, MemoryStore, open_store
 from .store.codecs import CODECS
 
@@ -57,9 +58,7 @@ DEFAULT_PREFIX_BYTES = 1024**3  # the stored prefixes' own memory tier (a 3.7k-t
 _CONTEXT_CHARS = 1500  # a prompt this long with no stored chunk in it probably carries context we missed
 _warned_no_match = False
 
-Prompt = str | Sequence[dict]  # a text prompt, or chat messages [{"role": ..., "content": ...}, ...]
-
-__all__ = ["CacheBlendEngine", "Generation", "Prefill", "RequestStats", "SamplingOptions"]
+__all__ = ["CacheBlendEngine", "Generation", "Prefill", "Request", "RequestStats", "SamplingOptions"]
 
 
 @dataclass
@@ -333,6 +332,33 @@ class CacheBlendEngine:
 
     # ---- prefill ------------------------------------------------------------------------
 
+    def prefill_request(self, request: Request, *, store_holes: bool = True) -> Prefill:
+        """Fused prefill of one request: its chunks and question (after its earlier turns), or its whole prompt.
+
+        Holes (chunks not in the store) are computed in context, then stored after the logits unless
+        `store_holes=False`, which leaves them in `Prefill.unstored_holes`.
+        """
+        with self._lock, torch.inference_mode():
+            fusion = self._fusion_request(request)
+            return fused_prefill(self.cache, request.policy, fusion, store_holes=store_holes,
+                                 auto_ratio=self._auto_ratio if request.auto_ratio else None)
+
+    def _fusion_request(self, request: Request) -> FusionRequest:
+        """The request's token layout and the stored chunks placed in it."""
+        if request.prompt is not None:
+            return self._prompt_request(request.prompt)
+        resolved = [self.resolve_chunk(c) for c in request.chunks]
+        prefix, separator, suffix = (request.template or self.template).render(self.tokenizer, request.question,
+                                                                               request.history)
+        layout = assemble(prefix, [c.token_ids for c in resolved], separator, suffix)
+        n = int(layout.token_ids.numel())
+        if n > self.context_window:
+            raise PromptTooLongError(
+                f"prompt of {n} tokens ({len(resolved)} chunks) exceeds the model's context window of "
+                f"{self.context_window} tokens; pass fewer or shorter chunks"
+            )
+        return FusionRequest(resolved, layout)
+
     def prefill(
         self,
         chunks: str | Sequence[str | Chunk],
@@ -347,29 +373,13 @@ class CacheBlendEngine:
     ) -> Prefill:
         """Fused prefill of [prefix][chunks][question]; `method` names the token-selection policy.
 
-        Holes (chunks not in the store) are computed in context, then stored after the logits unless
-        `store_holes=False`, which leaves them in `Prefill.unstored_holes`. `history`: the conversation's earlier
-        turns as `{"role", "content"}` messages; the chunks stay in its first user turn, so a follow-up's prompt
-        starts with the previous turn's prompt and answer (a stored prefix).
+        `history`: the conversation's earlier turns as `{"role", "content"}` messages; the chunks stay in its
+        first user turn, so a follow-up's prompt starts with the previous turn's prompt and answer (a stored
+        prefix). Holes are stored as `prefill_request` says.
         """
-        auto = recompute_ratio == "auto"
-        policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
-        _check_question(question)
-        _check_history(history)
-        if isinstance(chunks, (str, Chunk)):  # one chunk, never its characters
-            chunks = [chunks]
-        with self._lock, torch.inference_mode():
-            resolved = [self.resolve_chunk(c) for c in chunks]
-            prefix, separator, suffix = (template or self.template).render(self.tokenizer, question, history)
-            layout = assemble(prefix, [c.token_ids for c in resolved], separator, suffix)
-            n = int(layout.token_ids.numel())
-            if n > self.context_window:
-                raise PromptTooLongError(
-                    f"prompt of {n} tokens ({len(resolved)} chunks) exceeds the model's context window of "
-                    f"{self.context_window} tokens; pass fewer or shorter chunks"
-                )
-            return fused_prefill(self.cache, policy, FusionRequest(resolved, layout), store_holes=store_holes,
-                                 auto_ratio=self._auto_ratio if auto else None)
+        request = Request.of(chunks, question, method, recompute_ratio, template=template, history=history,
+                             **policy_options)
+        return self.prefill_request(request, store_holes=store_holes)
 
     def prefill_prompt(
         self,
@@ -385,14 +395,10 @@ class CacheBlendEngine:
 
         `prompt` is a string (tokenized as is) or chat messages (rendered with the model's chat template).
         """
-        auto = recompute_ratio == "auto"
-        policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
-        with self._lock, torch.inference_mode():
-            request = self._prompt_request(prompt)
-            return fused_prefill(self.cache, policy, request, store_holes=store_holes,
-                                 auto_ratio=self._auto_ratio if auto else None)
+        request = Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio, **policy_options)
+        return self.prefill_request(request, store_holes=store_holes)
 
-    def _prompt_request(self, prompt: Prompt) -> FusionRequest:
+    def _prompt_request(self, prompt: str | Sequence[dict]) -> FusionRequest:
         """The prompt tokenized once, as the model would tokenize it, and the stored chunks found in it, each
         placed where the prompt's own tokens reproduce its stored tokens (edge tokens merged with the text around
         a chunk are computed)."""
@@ -419,19 +425,11 @@ class CacheBlendEngine:
                 rows.append((row, stop - start))
         return FusionRequest(chunks, prompt_layout(ids, rows))
 
-    def _prompt_text(self, prompt: Prompt) -> tuple[str, bool]:
+    def _prompt_text(self, prompt: str | Sequence[dict]) -> tuple[str, bool]:
         """(the prompt's text in NFC, whether the tokenizer adds its special tokens: for a string, as
         `tokenizer(prompt)` does; chat messages are rendered by the chat template, which writes its own)."""
         if isinstance(prompt, str):
-            _check_question(prompt, "prompt")
             return unicodedata.normalize("NFC", prompt), True
-        if not isinstance(prompt, Sequence) or not prompt or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in prompt):
-            raise ConfigError("prompt must be a string or a non-empty list of {'role': str, 'content': str} messages")
-        for m in prompt:
-            if m["role"] == "user":
-                _check_question(m["content"], "user message")
         if not self.has_chat_template:
             raise ConfigError(f"{self.model_name} has no chat template; pass the prompt as a string")
         text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
@@ -456,6 +454,44 @@ class CacheBlendEngine:
 
     # ---- generation ---------------------------------------------------------------------
 
+    def generate_request(self, request: Request) -> Generation:
+        """Fused prefill of the request, then its answer decoded as `request.sampling` says."""
+        sampling = request.sampling
+        with self._decodable(request) as pre:
+            started = time.perf_counter()
+            new_ids = self._decode(pre, sampling)
+            decode_s = time.perf_counter() - started
+        text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
+        stats = dataclasses.replace(pre.stats, num_generated=int(new_ids.numel()),
+                                    timing=dict(pre.stats.timing, decode_s=decode_s))
+        reason, satisfied = self._finish(new_ids.tolist(), sampling)
+        return Generation(text.strip(), new_ids.tolist(), pre.stats.ttft_s, stats, pre.logits, reason, satisfied)
+
+    def stream_request(self, request: Request, stats: dict | None = None) -> Generator[str, None, None]:
+        """Yield the answer's text pieces as they are decoded; `stats`, if given, gets the prefill's stats, then
+        decoding's. Stopping the iteration (or closing the generator) stops decoding at the next token."""
+        if request.prompt is not None:
+            self._prompt_text(request.prompt)  # a chat prompt needs a chat template: fail here, not at next()
+        sampling = request.sampling
+
+        def decode_prefill(pre: Prefill, streamer, cancel) -> torch.Tensor:
+            new_ids = self._decode(pre, sampling, streamer, cancel)
+            if stats is not None:  # read once the stream is exhausted
+                stats["finish_reason"], stats["grammar_satisfied"] = self._finish(new_ids.tolist(), sampling)
+            return new_ids
+
+        return stream_decode(lambda: self._decodable(request), self.tokenizer, sampling, decode_prefill, stats)
+
+    def start_request(self, request: Request) -> tuple[KVSequence, RequestStats]:
+        """Fused prefill, then a sequence ready to decode with `advance` (alone or batched with others), and the
+        prefill's stats. Needs the default decoder ("kv")."""
+        if self.decoder != "kv":
+            raise ConfigError(f'batched decoding needs decoder="kv", this engine uses {self.decoder!r}')
+        with self._decodable(request) as pre:
+            seq = self._kv_decoder.sequence(pre.token_ids, pre.keys, pre.values, request.sampling,
+                                            first_logits=pre.logits)
+        return seq, pre.stats
+
     def generate(
         self,
         chunks: str | Sequence[str | Chunk],
@@ -470,9 +506,8 @@ class CacheBlendEngine:
     ) -> Generation:
         """Fused prefill, then decode: greedy by default; `max_new_tokens` (or `max_tokens`), `temperature`,
         `top_p`, `stop`, `seed` as keywords or one `sampling=` object; other keywords are the policy's options."""
-        sampling, policy_options = SamplingOptions.split(options, sampling)
-        return self._generate(lambda: self.prefill(chunks, question, method, recompute_ratio, template=template,
-                                                   store_holes=False, history=history, **policy_options), sampling)
+        return self.generate_request(Request.of(chunks, question, method, recompute_ratio, template=template,
+                                                history=history, sampling=sampling, **options))
 
     def stream(
         self,
@@ -487,48 +522,9 @@ class CacheBlendEngine:
         history: Sequence[dict] = (),
         **options,
     ) -> Generator[str, None, None]:
-        """Yield text pieces as they are decoded; `stats`, if given, gets the prefill's stats, then decoding's.
-
-        Stopping the iteration (or closing the generator) stops decoding at the next token.
-        """
-        sampling, policy_options = SamplingOptions.split(options, sampling)
-        make_policy(method, None if recompute_ratio == "auto" else recompute_ratio, **policy_options)  # fail here
-        _check_question(question)
-        _check_history(history)
-        return self._stream(lambda: self.prefill(chunks, question, method, recompute_ratio, template=template,
-                                                 store_holes=False, history=history, **policy_options), sampling,
-                            stats)
-
-    def generate_prompt(
-        self,
-        prompt: Prompt,
-        method: str | Policy = "cacheblend",
-        recompute_ratio: float | str | None = None,
-        *,
-        sampling: SamplingOptions | None = None,
-        **options,
-    ) -> Generation:
-        """`generate` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
-        sampling, policy_options = SamplingOptions.split(options, sampling)
-        return self._generate(lambda: self.prefill_prompt(prompt, method, recompute_ratio, store_holes=False,
-                                                          **policy_options), sampling)
-
-    def stream_prompt(
-        self,
-        prompt: Prompt,
-        method: str | Policy = "cacheblend",
-        recompute_ratio: float | str | None = None,
-        *,
-        sampling: SamplingOptions | None = None,
-        stats: dict | None = None,
-        **options,
-    ) -> Generator[str, None, None]:
-        """`stream` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
-        sampling, policy_options = SamplingOptions.split(options, sampling)
-        make_policy(method, None if recompute_ratio == "auto" else recompute_ratio, **policy_options)  # fail here
-        self._prompt_text(prompt)
-        return self._stream(lambda: self.prefill_prompt(prompt, method, recompute_ratio, store_holes=False,
-                                                        **policy_options), sampling, stats)
+        """`generate`, yielding text pieces as they are decoded (see `stream_request`)."""
+        return self.stream_request(Request.of(chunks, question, method, recompute_ratio, template=template,
+                                              history=history, sampling=sampling, **options), stats)
 
     def start(
         self,
@@ -542,25 +538,30 @@ class CacheBlendEngine:
         history: Sequence[dict] = (),
         **options,
     ) -> tuple[KVSequence, RequestStats]:
-        """Fused prefill, then a sequence ready to decode with `advance` (alone or batched with others), and the
-        prefill's stats; keywords as `generate`. Needs the default decoder ("kv")."""
-        sampling, policy_options = SamplingOptions.split(options, sampling)
-        return self._start(lambda: self.prefill(chunks, question, method, recompute_ratio, template=template,
-                                                store_holes=False, history=history, **policy_options), sampling)
+        """`generate`'s prefill, then a sequence to decode with `advance` (see `start_request`)."""
+        return self.start_request(Request.of(chunks, question, method, recompute_ratio, template=template,
+                                             history=history, sampling=sampling, **options))
 
-    def start_prompt(
-        self,
-        prompt: Prompt,
-        method: str | Policy = "cacheblend",
-        recompute_ratio: float | str | None = None,
-        *,
-        sampling: SamplingOptions | None = None,
-        **options,
-    ) -> tuple[KVSequence, RequestStats]:
+    def generate_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
+                        recompute_ratio: float | str | None = None, *, sampling: SamplingOptions | None = None,
+                        **options) -> Generation:
+        """`generate` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
+        return self.generate_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
+                                                sampling=sampling, **options))
+
+    def stream_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
+                      recompute_ratio: float | str | None = None, *, sampling: SamplingOptions | None = None,
+                      stats: dict | None = None, **options) -> Generator[str, None, None]:
+        """`stream` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
+        return self.stream_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
+                                              sampling=sampling, **options), stats)
+
+    def start_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
+                     recompute_ratio: float | str | None = None, *, sampling: SamplingOptions | None = None,
+                     **options) -> tuple[KVSequence, RequestStats]:
         """`start` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
-        sampling, policy_options = SamplingOptions.split(options, sampling)
-        return self._start(lambda: self.prefill_prompt(prompt, method, recompute_ratio, store_holes=False,
-                                                       **policy_options), sampling)
+        return self.start_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
+                                             sampling=sampling, **options))
 
     def advance(self, sequences: Sequence[KVSequence]) -> list[str]:
         """One decode step for every sequence at once (each must be unfinished): the text piece each hands out
@@ -572,24 +573,6 @@ class CacheBlendEngine:
                     self._keep(seq)
             return pieces
 
-    def _start(self, run_prefill, sampling: SamplingOptions) -> tuple[KVSequence, RequestStats]:
-        if self.decoder != "kv":
-            raise ConfigError(f'batched decoding needs decoder="kv", this engine uses {self.decoder!r}')
-        with self._decodable(run_prefill, sampling) as pre:
-            seq = self._kv_decoder.sequence(pre.token_ids, pre.keys, pre.values, sampling, first_logits=pre.logits)
-        return seq, pre.stats
-
-    def _generate(self, run_prefill, sampling: SamplingOptions) -> Generation:
-        with self._decodable(run_prefill, sampling) as pre:
-            started = time.perf_counter()
-            new_ids = self._decode(pre, sampling)
-            decode_s = time.perf_counter() - started
-        text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
-        stats = dataclasses.replace(pre.stats, num_generated=int(new_ids.numel()),
-                                    timing=dict(pre.stats.timing, decode_s=decode_s))
-        reason, satisfied = self._finish(new_ids.tolist(), sampling)
-        return Generation(text.strip(), new_ids.tolist(), pre.stats.ttft_s, stats, pre.logits, reason, satisfied)
-
     def _finish(self, new_ids: list[int], sampling: SamplingOptions) -> tuple[str, bool | None]:
         """(finish_reason, grammar_satisfied) of a decoded answer, from its tokens alone (both decoders)."""
         satisfied = complete = None
@@ -600,16 +583,6 @@ class CacheBlendEngine:
         if cut or ended or complete or len(new_ids) < sampling.max_new_tokens:  # shorter: cancelled, not cut
             return "stop", satisfied
         return "length", satisfied
-
-    def _stream(self, run_prefill, sampling: SamplingOptions, stats: dict | None) -> Generator[str, None, None]:
-        def decode_prefill(pre: Prefill, streamer, cancel) -> torch.Tensor:
-            new_ids = self._decode(pre, sampling, streamer, cancel)
-            if stats is not None:  # read once the stream is exhausted
-                stats["finish_reason"], stats["grammar_satisfied"] = self._finish(new_ids.tolist(), sampling)
-            return new_ids
-
-        return stream_decode(lambda: self._decodable(run_prefill, sampling), self.tokenizer, sampling,
-                             decode_prefill, stats)
 
     def _decode(self, pre: Prefill, sampling: SamplingOptions, streamer=None, cancel=None) -> torch.Tensor:
         """New token ids after the prefill, with the chosen decoder: "kv" takes its first token from the prefill's
@@ -639,13 +612,14 @@ class CacheBlendEngine:
             self._warned_keep = True
 
     @contextmanager
-    def _decodable(self, run_prefill, sampling: SamplingOptions) -> Iterator[Prefill]:
+    def _decodable(self, request: Request) -> Iterator[Prefill]:
         """Under the model's lock: the prefill to decode from, checked for room; its holes are stored after the
         block (best effort), so neither the answer nor its first streamed piece waits for them."""
+        sampling = request.sampling
         if sampling.grammar is not None and self.decoder != "kv":
             raise ConfigError(f'constrained decoding (grammar=) needs decoder="kv", this engine uses {self.decoder!r}')
         with self._lock:
-            pre = run_prefill()
+            pre = self.prefill_request(request, store_holes=False)
             try:
                 total = int(pre.token_ids.numel()) + sampling.max_new_tokens
                 if total > self.context_window:
@@ -657,29 +631,6 @@ class CacheBlendEngine:
             finally:
                 with torch.inference_mode():
                     store_chunks(self.cache, pre.unstored_holes)
-
-
-def _check_question(question: object, what: str = "question") -> None:
-    """A question (or prompt) is non-empty text that encodes as UTF-8 (no lone surrogates)."""
-    if not isinstance(question, str):
-        raise ConfigError(f"{what} must be a str, got {type(question).__name__}")
-    if not question.strip():
-        raise ConfigError(f"{what} is empty; ask something (the chunks alone are not a question)")
-    try:
-        question.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ConfigError(f"{what} is not valid text ({e.reason} at position {e.start}); pass UTF-8 text") from e
-
-
-def _check_history(history: object) -> None:
-    """Earlier turns are a sequence of {"role": str, "content": str} messages, none of them a system message
-    (that is the template's)."""
-    if isinstance(history, (str, dict)) or not isinstance(history, Sequence) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in history):
-        raise ConfigError("history must be a list of {'role': str, 'content': str} messages (the earlier turns)")
-    if any(m["role"] in ("system", "developer") for m in history):
-        raise ConfigError("history holds a system message; pass it as template=PromptTemplate(system=...)")
 
 
 def _warn_no_match(changed: list[str]) -> None:

@@ -525,13 +525,14 @@ def test_a_cancelled_queued_job_frees_its_slot_at_once():
 
 def test_run_job_streams_then_finishes_and_stops_a_cancelled_or_late_job(tokenizer):
     from cacheblend_rag import CacheBlendEngine
-    from cacheblend_rag.serve.runner import EngineCall, Retriever, Sampling, run_job
+    from cacheblend_rag import SamplingOptions
+    from cacheblend_rag.serve.runner import EngineCall, Retriever, run_job
     from cacheblend_rag.serve.scheduler import Cancelled, Done, Failed, Job, Piece, RequestTimeout
 
     from conftest import tiny_model
 
     engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, None)
-    call = EngineCall(question="What is in the passage?", sampling=Sampling(max_new_tokens=6),
+    call = EngineCall(question="What is in the passage?", sampling=SamplingOptions(max_new_tokens=6),
                       documents=("A short passage about bees and their five eyes.",))
 
     async def run(deadline_s: float, cancel: bool = False) -> list:

@@ -129,14 +129,15 @@ def test_batch_scheduler_interleaves_jobs_equal_to_solo_and_frees_cancelled_slot
     import time
 
     from cacheblend_rag import CacheBlendEngine
-    from cacheblend_rag.serve.runner import EngineCall, Retriever, Sampling, make_scheduler
+    from cacheblend_rag import SamplingOptions
+    from cacheblend_rag.serve.runner import EngineCall, Retriever, make_scheduler
     from cacheblend_rag.serve.scheduler import BatchScheduler, Done, Failed, Job, Piece
 
     from conftest import tiny_model
 
     engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, None)
     passages = ("A short passage about bees and their five eyes.", "Queens, drones and workers live in a hive.")
-    calls = [EngineCall(question=q, sampling=Sampling(max_new_tokens=n), documents=passages)
+    calls = [EngineCall(question=q, sampling=SamplingOptions(max_new_tokens=n), documents=passages)
              for q, n in (("What is in the passage?", 12), ("Who lives in a hive?", 12), ("Tell me more.", 2000))]
     solo = [engine.generate(list(passages), c.question, max_new_tokens=c.sampling.max_new_tokens).token_ids
             for c in calls[:2]]

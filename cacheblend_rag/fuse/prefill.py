@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import CacheFormatError, ConfigError
-from ..ingest.chunks import Chunk
+from ..ingest.chunks import Chunk, chunk_id, looks_like_chunk_id
 from ..store import LayerReadError
 from .chunk_cache import ChunkCache
 from .loop import LoopResult, run_layers
@@ -39,6 +39,21 @@ SUMMARY_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reuse
                 "num_prefix_rows", "num_chunk_rows", "recompute_ratio_effective", "ttft_s", "num_generated",
                 "recompute_ratio")
 """The stats the integrations copy into their responses' metadata (LangChain, LlamaIndex)."""
+
+
+def stats_summary(stats: Mapping[str, Any], chunks: Sequence[str | Chunk] | None = None) -> dict[str, Any]:
+    """A request's stats as the integrations report them: SUMMARY_KEYS, `recomputed_share`, and `chunk_ids` with
+    `per_chunk` hit or miss: of the chunks the request named (texts, ids or Chunks, in order), else of those the
+    engine found in its prompt."""
+    info = {k: stats[k] for k in SUMMARY_KEYS if k in stats}
+    info["recomputed_share"] = stats.get("recompute_ratio_effective", 0.0)
+    hits = list(stats.get("chunk_hits", ()))
+    if chunks is None:
+        ids = hits + [cid for cid in stats.get("chunk_misses", ()) if cid not in hits]
+    else:
+        ids = [c.chunk_id if isinstance(c, Chunk) else (c if looks_like_chunk_id(c) else chunk_id(c)) for c in chunks]
+    info.update(chunk_ids=ids, per_chunk={cid: ("hit" if cid in hits else "miss") for cid in ids})
+    return info
 
 
 @dataclass

@@ -23,7 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..decode.generate import SamplingOptions
 from ..decode.grammar import GrammarCompiler
+from ..fuse.policies import make_policy
 from ..errors import (
     CacheBlendError,
     ChunkError,
@@ -35,7 +37,7 @@ from ..errors import (
 )
 from .limits import RequestGuard, check_fits, max_token_chars
 from .metrics import ServerMetrics
-from .runner import EngineCall, Retriever, Sampling, admit_documents, make_scheduler
+from .runner import EngineCall, Retriever, admit_documents, make_scheduler
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
 from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout
 from .tooling import CallStream, ChatPlan, answer_message, plan_chat
@@ -208,17 +210,17 @@ class _Server:
             documents.append(doc if isinstance(doc, str) else (doc.text if doc.text is not None else doc.id or ""))
         documents += body.chunk_ids or []
         opts = body.cacheblend
+        auto = opts.recompute_ratio == "auto"
         return EngineCall(
             question=question,
             system=system,
             messages=messages,
             documents=tuple(documents),
             retrieval=(body.retrieval.collection, body.retrieval.k) if body.retrieval else None,
-            method=opts.method,
-            recompute_ratio=opts.recompute_ratio,
-            policy_options=opts.policy_options(),
-            sampling=Sampling(body.new_tokens(default_max_tokens), body.temperature, body.top_p,
-                              tuple(body.stop or ()), body.seed, grammar),
+            policy=make_policy(opts.method, None if auto else opts.recompute_ratio, **opts.policy_options()),
+            auto_ratio=auto,
+            sampling=SamplingOptions(body.new_tokens(default_max_tokens), body.temperature, body.top_p,
+                                     tuple(body.stop or ()), body.seed, grammar),
         )
 
     def chat_call(self, body: ChatCompletionRequest) -> tuple[EngineCall, ChatPlan]:

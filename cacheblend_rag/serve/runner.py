@@ -1,12 +1,12 @@
 """What the worker thread does with one request: gather its chunks, run the engine, hand back pieces and stats.
 
-`_run_request` is the one place an API request meets the engine:
-- with `documents`, `chunk_ids` or `retrieval`: `engine.stream(chunks, question, template=..., history=...)` —
+`engine_request` is the one place an API request becomes the engine's `Request`:
+- with `documents`, `chunk_ids` or `retrieval`: chunks, a question, a template and history —
   the chunks are those passages, the question the last user message (or the completion prompt), the turns before
   it the history (the chunks stay in the first user turn, so a follow-up starts with the previous turn's prompt
   and answer: a stored prefix), a system message the template's system text;
 - otherwise the request's own prompt — the whole chat, rendered with the model's chat template, or the
-  completion prompt as is — goes to `engine.stream_prompt`, which reuses the KV of every ingested chunk whose
+  completion prompt as is — is the request's prompt, in which the engine reuses the KV of every ingested chunk whose
   text it carries (a client's own RAG prompt gets reuse without any extension field).
 """
 
@@ -15,28 +15,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..decode.grammar import Grammar
+from ..decode.generate import SamplingOptions
 from ..errors import CollectionNotFoundError, PromptTooLongError
 from ..fuse.layout import PromptTemplate
+from ..fuse.policies import CacheBlend
+from ..fuse.policy import Policy
 from ..ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
+from ..request import Request
 from .scheduler import BatchScheduler, Done, Failed, Job, Piece, Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Decoding settings of one request."""
-
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    grammar: Grammar | None = None  # constrained decoding (tools, response_format)
 
 
 @dataclass(frozen=True)
@@ -44,14 +35,13 @@ class EngineCall:
     """One request as the engine needs it, validated by the routes."""
 
     question: str  # the last user message, or the completion prompt
-    sampling: Sampling
+    sampling: SamplingOptions
     system: str | None = None  # a chat's system message
     messages: tuple[dict, ...] = ()  # the whole chat as {"role", "content": text} (empty for a completion)
     documents: tuple[str | Chunk, ...] = ()  # passage texts (tokenized on admission) or chunk ids, in prompt order
     retrieval: tuple[str, int] | None = None  # (collection, k)
-    method: str = "cacheblend"
-    recompute_ratio: float | str | None = None
-    policy_options: dict = field(default_factory=dict)
+    policy: Policy = field(default_factory=CacheBlend)  # built once from the body's `cacheblend` field
+    auto_ratio: bool = False  # recompute_ratio "auto": the loading controller chooses it
 
 
 class Retriever:
@@ -103,15 +93,11 @@ def conversation(call: EngineCall) -> tuple[str, tuple[dict, ...]]:
     return turns[last]["content"], tuple(turns[:last])
 
 
-def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) -> Generator[str, None, None]:
-    """Text pieces of the answer; `stats` gets the engine's stats (and `retrieved`, the retrieved passages' count)."""
-    s = call.sampling
-    sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                    stop=list(s.stop) or None, seed=s.seed, grammar=s.grammar)
+def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Request:
+    """The engine's request for a call (its retrieval run here); `stats` gets `num_retrieved`."""
     if not call.documents and call.retrieval is None:
-        prompt = list(call.messages) if call.messages else call.question
-        return engine.stream_prompt(prompt, call.method, call.recompute_ratio, stats=stats, **sampling,
-                                    **call.policy_options)
+        prompt = call.messages if call.messages else call.question
+        return Request(prompt=prompt, policy=call.policy, auto_ratio=call.auto_ratio, sampling=call.sampling)
     chunks = list(call.documents)
     if call.retrieval is not None:
         collection, k = call.retrieval
@@ -120,14 +106,14 @@ def _run_request(engine, retriever: Retriever, call: EngineCall, stats: dict) ->
         chunks += retrieved
     template = PromptTemplate(system=call.system) if call.system else None
     question, history = conversation(call)
-    return engine.stream(chunks, question, call.method, call.recompute_ratio, template=template, stats=stats,
-                         history=history, **sampling, **call.policy_options)
+    return Request(question=question, chunks=tuple(chunks), history=history, template=template, policy=call.policy,
+                   auto_ratio=call.auto_ratio, sampling=call.sampling)
 
 
 def run_job(engine, retriever: Retriever, job: Job) -> None:
     """Run one job on the worker thread: emit its pieces, then Done (or Failed); stop early when asked to."""
     stats: dict = {}
-    pieces = _run_request(engine, retriever, job.call, stats)
+    pieces = engine.stream_request(engine_request(job.call, retriever, stats), stats)
     stopped: BaseException | None = None
     try:
         for piece in pieces:
@@ -177,25 +163,8 @@ class ActiveRequest:
 
 def start_job(engine, retriever: Retriever, job: Job) -> ActiveRequest:
     """Prefill one job (on the worker thread, under the engine's lock): a request ready to join the batch."""
-    call, s = job.call, job.call.sampling
-    sampling = dict(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                    stop=list(s.stop) or None, seed=s.seed, grammar=s.grammar)
     stats: dict = {}
-    if not call.documents and call.retrieval is None:
-        prompt = list(call.messages) if call.messages else call.question
-        seq, pre_stats = engine.start_prompt(prompt, call.method, call.recompute_ratio, **sampling,
-                                             **call.policy_options)
-    else:
-        chunks = list(call.documents)
-        if call.retrieval is not None:
-            collection, k = call.retrieval
-            retrieved = retriever.query(collection, call.question, k)
-            stats["num_retrieved"] = len(retrieved)
-            chunks += retrieved
-        template = PromptTemplate(system=call.system) if call.system else None
-        question, history = conversation(call)
-        seq, pre_stats = engine.start(chunks, question, call.method, call.recompute_ratio, template=template,
-                                      history=history, **sampling, **call.policy_options)
+    seq, pre_stats = engine.start_request(engine_request(job.call, retriever, stats))
     stats.update(pre_stats.as_dict())
     return ActiveRequest(job, seq, stats)
 

@@ -26,7 +26,7 @@ POLICIES: dict[str, type] = {
 METHODS: tuple[str, ...] = tuple(POLICIES)  # the built-in methods; POLICIES also holds registered ones
 
 __all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
-           "PrefixCache", "make_policy", "option_names", "register_policy", "takes_ratio"]
+           "PrefixCache", "all_option_names", "make_policy", "option_names", "register_policy", "takes_ratio"]
 
 
 def register_policy(policy_cls: type) -> type:
@@ -49,6 +49,11 @@ def register_policy(policy_cls: type) -> type:
 def option_names(policy_cls: type) -> tuple[str, ...]:
     """The hyper-parameters a policy class takes."""
     return tuple(f.name for f in dataclasses.fields(policy_cls) if f.init)
+
+
+def all_option_names() -> set[str]:
+    """Every option of every registered policy: a surface accepts these per call, the method checks its own."""
+    return {name for cls in POLICIES.values() for name in option_names(cls)}
 
 
 def takes_ratio(policy: object) -> bool:

@@ -8,9 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.fuse.prefill import SUMMARY_KEYS
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES, make_policy, option_names
+from cacheblend_rag.fuse.policies import POLICIES, all_option_names, make_policy
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
@@ -20,14 +19,9 @@ CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "t
 """Keyword arguments every call accepts (besides `stop`)."""
 
 
-def policy_option_names() -> set[str]:
-    """Every option of every registered policy (the call's method checks which of them it takes)."""
-    return {name for cls in POLICIES.values() for name in option_names(cls)}
-
-
 def check_call_kwargs(owner: str, kwargs: dict[str, Any], extra: Iterable[str] = ()) -> None:
     """Reject keyword arguments the model would otherwise silently ignore."""
-    allowed = set(CALL_SETTINGS) | set(extra) | policy_option_names()
+    allowed = set(CALL_SETTINGS) | set(extra) | all_option_names()
     unknown = sorted(k for k in kwargs if k not in allowed)
     if unknown:
         raise ConfigError(
@@ -39,39 +33,20 @@ def check_call_kwargs(owner: str, kwargs: dict[str, Any], extra: Iterable[str] =
 
 
 def call_settings(defaults: Any, max_tokens: int, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Engine keyword arguments for one call: the call's kwargs over the model's fields."""
+    """`Request.of` keywords for one call: the call's kwargs over the model's fields (checked by `Request.of`)."""
     method = kwargs.get("method", defaults.method)
-    if method not in POLICIES:
-        raise ConfigError(f"method must be one of {', '.join(POLICIES)}, got {method!r}")
     options = dict(defaults.policy_options) if method == defaults.method else {}
-    options.update((k, v) for k, v in kwargs.items() if k in policy_option_names() and k != "recompute_ratio")
-    ratio = kwargs.get("recompute_ratio", defaults.recompute_ratio)
-    if ratio != "auto" and not 0.0 <= float(ratio) <= 1.0:
-        raise ConfigError(f"recompute_ratio must be within [0, 1] or 'auto', got {ratio!r}")
-    new_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", max_tokens))
-    if not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ConfigError(f"max_tokens must be a positive int, got {new_tokens!r}")
+    options.update((k, v) for k, v in kwargs.items() if k in all_option_names() and k != "recompute_ratio")
     return dict(
         method=method,
-        recompute_ratio=ratio,
-        max_new_tokens=new_tokens,
+        recompute_ratio=kwargs.get("recompute_ratio", defaults.recompute_ratio),
+        max_new_tokens=kwargs.get("max_tokens", kwargs.get("max_new_tokens", max_tokens)),
         temperature=float(kwargs.get("temperature", defaults.temperature) or 0.0),
         top_p=kwargs.get("top_p", defaults.top_p),
         seed=kwargs.get("seed", defaults.seed),
         stop=stop if stop is not None else defaults.stop,
         **options,
     )
-
-
-def stats_info(stats: dict) -> dict[str, Any]:
-    """The package's stats of one request, as put in LangChain metadata."""
-    info = {k: stats[k] for k in SUMMARY_KEYS if k in stats}
-    info["recomputed_share"] = stats.get("recompute_ratio_effective", 0.0)
-    hits = list(stats.get("chunk_hits", ()))
-    ids = hits + [cid for cid in stats.get("chunk_misses", ()) if cid not in hits]
-    info["chunk_ids"] = ids
-    info["per_chunk"] = {cid: ("hit" if cid in hits else "miss") for cid in ids}
-    return info
 
 
 def usage(stats: dict) -> dict[str, Any]:

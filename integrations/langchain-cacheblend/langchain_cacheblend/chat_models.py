@@ -20,6 +20,8 @@ from typing import Any, Literal
 from cacheblend_rag import tools as generic_tools
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.fuse.prefill import stats_summary
+from cacheblend_rag.request import Request
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -41,7 +43,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 
-from ._common import EngineFields, call_settings, check_call_kwargs, close_stream, learn_retrieved, stats_info, usage
+from ._common import EngineFields, call_settings, check_call_kwargs, close_stream, learn_retrieved, usage
 
 __all__ = ["ChatCacheBlend", "StructuredOutputError", "to_chat_messages"]
 
@@ -223,7 +225,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         return chat, settings, functions
 
     def _metadata(self, engine: CacheBlendEngine, stats: dict) -> dict[str, Any]:
-        meta = {"model_name": engine.model_name, "model_provider": "cacheblend", "cacheblend": stats_info(stats)}
+        meta = {"model_name": engine.model_name, "model_provider": "cacheblend", "cacheblend": stats_summary(stats)}
         if "finish_reason" in stats:
             meta["finish_reason"] = stats["finish_reason"]
         if stats.get("grammar_satisfied") is not None:
@@ -241,7 +243,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
                 stats: dict) -> Iterator[str]:
         """The answer's text pieces; past `timeout` the stream is closed (decoding stops) and TimeoutError raised."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        pieces = engine.stream_prompt(chat, stats=stats, **settings)
+        pieces = engine.stream_request(Request.of(prompt=chat, **settings), stats)
         try:
             for piece in pieces:
                 if deadline is not None and time.monotonic() > deadline:
@@ -269,7 +271,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
                     run_manager.on_llm_new_token(piece, chunk=ChatGenerationChunk(message=AIMessageChunk(content=piece)))
             message = self._message(text.strip(), stats, engine, functions)
         else:
-            out = engine.generate_prompt(chat, **settings)
+            out = engine.generate_request(Request.of(prompt=chat, **settings))
             stats = {**out.stats.as_dict(), "finish_reason": out.finish_reason,
                      "grammar_satisfied": out.grammar_satisfied}
             message = self._message(out.text, stats, engine, functions)

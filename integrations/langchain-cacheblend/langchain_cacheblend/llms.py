@@ -15,14 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.ingest.chunks import Chunk, chunk_id, looks_like_chunk_id
+from cacheblend_rag.fuse.prefill import stats_summary
+from cacheblend_rag.ingest.chunks import Chunk
+from cacheblend_rag.request import Request
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM, LanguageModelInput
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.prompt_values import PromptValue
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
 
-from ._common import EngineFields, call_settings, check_call_kwargs, learn_retrieved, stats_info
+from ._common import EngineFields, call_settings, check_call_kwargs, learn_retrieved
 from ._common import close_stream as _close
 from .prompts import CacheBlendPromptValue
 
@@ -30,8 +32,8 @@ __all__ = ["CacheBlendLLM"]
 
 
 @dataclass(frozen=True)
-class _Request:
-    chunks: list[str | Chunk] | None  # None: the whole prompt goes to engine.generate_prompt
+class _CallInput:
+    chunks: list[str | Chunk] | None  # None: the engine finds the stored chunks in the prompt itself
     question: str
     source: str  # kwarg | prompt_value | prompt
 
@@ -105,28 +107,23 @@ class CacheBlendLLM(EngineFields, BaseLLM):
             self._recent.put(value)
         return value
 
-    def _request(self, prompt: str, kwargs: dict[str, Any]) -> _Request:
+    def _request(self, prompt: str, kwargs: dict[str, Any]) -> _CallInput:
         if kwargs.get("chunks") is not None:
             question = kwargs.get("question")
-            return _Request(list(kwargs["chunks"]), question if question is not None else prompt, "kwarg")
+            return _CallInput(list(kwargs["chunks"]), question if question is not None else prompt, "kwarg")
         value = self._recent.get(prompt)
         if value is not None:
-            return _Request(list(value.chunk_texts), value.question, "prompt_value")
-        return _Request(None, prompt, "prompt")
+            return _CallInput(list(value.chunk_texts), value.question, "prompt_value")
+        return _CallInput(None, prompt, "prompt")
 
     def _settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         check_call_kwargs(type(self).__name__, kwargs, extra=("chunks", "question"))
         return call_settings(self, self.max_new_tokens, stop, kwargs)
 
     @staticmethod
-    def _info(stats: dict, request: _Request) -> dict[str, Any]:
-        info = stats_info(stats)  # chunk ids found in the prompt by the engine
+    def _info(stats: dict, request: _CallInput) -> dict[str, Any]:
+        info = stats_summary(stats, request.chunks)  # the chunks it was given, or those found in the prompt
         info["chunks_from"] = request.source
-        if request.chunks is not None:  # the chunks it was given, in order
-            hits = set(stats.get("chunk_hits", ()))
-            ids = [c.chunk_id if isinstance(c, Chunk) else (c if looks_like_chunk_id(c) else chunk_id(c))
-                   for c in request.chunks]
-            info.update(chunk_ids=ids, per_chunk={cid: ("hit" if cid in hits else "miss") for cid in ids})
         return info
 
     def _prompt(self, engine: CacheBlendEngine, text: str) -> str | list[dict[str, str]]:
@@ -135,10 +132,11 @@ class CacheBlendLLM(EngineFields, BaseLLM):
             return [{"role": "user", "content": text}]
         return text
 
-    def _run(self, engine: CacheBlendEngine, request: _Request, settings: dict[str, Any]):
+    def _engine_request(self, engine: CacheBlendEngine, request: _CallInput, settings: dict[str, Any]) -> Request:
+        """The engine's request: the given chunks and question, or the prompt in which the engine finds them."""
         if request.chunks is None:
-            return engine.generate_prompt(self._prompt(engine, request.question), **settings)
-        return engine.generate(request.chunks, request.question, **settings)
+            return Request.of(prompt=self._prompt(engine, request.question), **settings)
+        return Request.of(request.chunks, request.question, **settings)
 
     def _generate(
         self,
@@ -152,7 +150,7 @@ class CacheBlendLLM(EngineFields, BaseLLM):
         generations, infos = [], []
         for prompt in prompts:
             request = self._request(prompt, kwargs)
-            out = self._run(engine, request, settings)
+            out = engine.generate_request(self._engine_request(engine, request, settings))
             info = self._info(out.stats, request)
             infos.append(info)
             generations.append([Generation(text=out.text, generation_info=info)])
@@ -170,10 +168,7 @@ class CacheBlendLLM(EngineFields, BaseLLM):
         settings = self._settings(stop, kwargs)
         request = self._request(prompt, kwargs)
         stats: dict = {}
-        if request.chunks is None:
-            pieces = engine.stream_prompt(self._prompt(engine, request.question), stats=stats, **settings)
-        else:
-            pieces = engine.stream(request.chunks, request.question, stats=stats, **settings)
+        pieces = engine.stream_request(self._engine_request(engine, request, settings), stats)
         try:
             for piece in pieces:
                 chunk = GenerationChunk(text=piece)

@@ -16,11 +16,12 @@ from typing import Any
 
 from cacheblend_rag import tools as generic_tools
 from cacheblend_rag.engine import CacheBlendEngine
-from cacheblend_rag.fuse.prefill import SUMMARY_KEYS
+from cacheblend_rag.fuse.prefill import stats_summary
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES, make_policy, option_names
-from cacheblend_rag.ingest.chunks import chunk_id, looks_like_chunk_id, normalize_text
+from cacheblend_rag.fuse.policies import POLICIES, all_option_names, make_policy
+from cacheblend_rag.ingest.chunks import looks_like_chunk_id, normalize_text
 from cacheblend_rag.models.loader import DEFAULT_MODEL
+from cacheblend_rag.request import Request
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -51,14 +52,10 @@ CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "t
                  "stop", "do_sample", "chunks", "question", "formatted", "grammar")
 
 
-def _policy_option_names() -> set[str]:
-    """Every option of every registered policy (the call's method checks which of them it takes)."""
-    return {name for cls in POLICIES.values() for name in option_names(cls)}
-
-
 def _call_settings() -> set[str]:
     """Keyword arguments a call (or `generate_kwargs`) accepts: the settings and the policies' options."""
-    return set(CALL_SETTINGS) | _policy_option_names()
+    return set(CALL_SETTINGS) | all_option_names()
+
 
 # Stats of the LLM calls of each query in progress (innermost last); lists are shared with worker threads.
 _QUERY_CALLS: contextvars.ContextVar[tuple[list[dict], ...]] = contextvars.ContextVar("cacheblend_query_calls",
@@ -183,18 +180,6 @@ def install_query_stats_handler() -> QueryStatsHandler:
             _handler = QueryStatsHandler()
             get_dispatcher().add_event_handler(_handler)
     return _handler
-
-
-def _info(stats: dict, chunks: list | None) -> dict[str, Any]:
-    info = {k: stats[k] for k in SUMMARY_KEYS if k in stats}
-    info["recomputed_share"] = stats.get("recompute_ratio_effective", 0.0)
-    hits = list(stats.get("chunk_hits", ()))
-    if chunks is None:
-        ids = hits + [cid for cid in stats.get("chunk_misses", ()) if cid not in hits]
-    else:
-        ids = [c if looks_like_chunk_id(c) else chunk_id(c) for c in chunks]
-    info.update(chunk_ids=ids, per_chunk={cid: ("hit" if cid in hits else "miss") for cid in ids})
-    return info
 
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
@@ -334,10 +319,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         gen = {**self.generate_kwargs, **kwargs}
         sample = gen.get("do_sample", gen.get("temperature", 0.0) > 0)
         method = gen.get("method", self.method)
-        if method not in POLICIES:
-            raise ConfigError(f"method must be one of {', '.join(POLICIES)}, got {method!r}")
         options = dict(self.policy_options) if method == self.method else {}
-        options.update((k, v) for k, v in gen.items() if k in _policy_option_names() and k != "recompute_ratio")
+        options.update((k, v) for k, v in gen.items() if k in all_option_names() and k != "recompute_ratio")
         return dict(
             **options,
             method=method,
@@ -347,7 +330,9 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
             top_p=gen.get("top_p", 1.0), seed=gen.get("seed"), stop=gen.get("stop"), grammar=gen.get("grammar"),
         )
 
-    def _split(self, kwargs: dict[str, Any]) -> tuple[list[str] | None, str | None, dict[str, Any]]:
+    def _request(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]) -> tuple[list[str] | None, Request]:
+        """(the chunks the call named, or None, and the engine's request): with `chunks=`, those chunks and the
+        `question=` (else the prompt); without, the prompt in which the engine finds the stored chunks itself."""
         kwargs = dict(kwargs)
         chunks = kwargs.pop("chunks", None)
         question = kwargs.pop("question", None)
@@ -359,15 +344,14 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
                 raise ConfigError(f"chunks must be a string or a list of strings (texts or chunk ids), got "
                                   f"{type(chunks).__name__}")
             chunks = [c for c in chunks if looks_like_chunk_id(c) or normalize_text(c)]  # empty chunks skipped
-        return chunks, question, self._settings(kwargs)
+            return chunks, Request.of(chunks, question if question is not None else str(prompt),
+                                      **self._settings(kwargs))
+        return None, Request.of(prompt=prompt, **self._settings(kwargs))
 
     def _generate(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]):
-        chunks, question, settings = self._split(kwargs)
-        if chunks is not None:
-            out = self.engine.generate(chunks, question if question is not None else str(prompt), **settings)
-        else:
-            out = self.engine.generate_prompt(prompt, **settings)
-        info = _info(out.stats, chunks)
+        chunks, request = self._request(prompt, kwargs)
+        out = self.engine.generate_request(request)
+        info = stats_summary(out.stats, chunks)
         self._last = info
         _record(info)
         self._learn(prompt)
@@ -384,27 +368,23 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
             self.engine.learn(seen)
 
     def _stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]):
-        chunks, question, settings = self._split(kwargs)
+        chunks, request = self._request(prompt, kwargs)
         stats: dict = {}
         info: dict = {}
         self._last = info
         _record(info)
 
         def pieces():
-            if chunks is not None:
-                it = self.engine.stream(chunks, question if question is not None else str(prompt), stats=stats,
-                                        **settings)
-            else:
-                it = self.engine.stream_prompt(prompt, stats=stats, **settings)
+            it = self.engine.stream_request(request, stats)
             try:
                 for piece in it:
-                    info.update(_info(stats, chunks))  # prefill stats are there from the first piece
+                    info.update(stats_summary(stats, chunks))  # prefill stats are there from the first piece
                     yield piece
             finally:
                 close = getattr(it, "close", None)
                 if close is not None:
                     close()  # a consumer that stops early ends the engine's stream (and its decoding) too
-            info.update(_info(stats, chunks))
+            info.update(stats_summary(stats, chunks))
             self._learn(prompt)
 
         return pieces(), info

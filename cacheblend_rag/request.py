@@ -1,0 +1,118 @@
+"""One request value: what to prefill, the policy that fuses it, and how to decode the answer.
+
+Every surface (the engine's conveniences, LangChain, LlamaIndex, the server, the CLI) builds a `Request` with
+`Request.of(...)`, which reads the loose keywords they all accept (sampling keys, `method`, `recompute_ratio`, the
+method's own options) in one place, and hands it to the engine's `prefill_request` / `generate_request` /
+`stream_request` / `start_request`. A request is validated when it is built, so a bad one fails at the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .decode.generate import SamplingOptions
+from .errors import ConfigError
+from .fuse.layout import PromptTemplate
+from .fuse.policies import CacheBlend, make_policy
+from .fuse.policy import Policy
+from .ingest.chunks import Chunk
+
+Prompt = str | Sequence[dict]  # a text prompt, or chat messages [{"role": ..., "content": ...}, ...]
+
+__all__ = ["Prompt", "Request"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one call asks of the engine.
+
+    Either `question` with its `chunks` (texts, ids or `Chunk`s, placed by the engine's template, after the
+    conversation's earlier turns `history`), or a whole `prompt` (a string, tokenized as is, or chat messages,
+    rendered with the model's chat template) in which the engine finds the stored chunks itself. `policy` fuses the
+    chunks; `auto_ratio` lets the loading controller choose its recompute ratio; `sampling` says how to decode.
+    """
+
+    question: str | None = None
+    chunks: tuple[str | Chunk, ...] = ()
+    history: tuple[dict, ...] = ()
+    template: PromptTemplate | None = None
+    prompt: str | tuple[dict, ...] | None = None
+    policy: Policy = field(default_factory=CacheBlend)
+    auto_ratio: bool = False
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.question is None):
+            raise ConfigError("a request has a question (with its chunks) or a whole prompt: pass exactly one")
+        if not isinstance(self.policy, Policy):
+            raise ConfigError(f"policy must be a Policy (make_policy builds one by name), got {self.policy!r}")
+        if not isinstance(self.sampling, SamplingOptions):
+            raise ConfigError(f"sampling must be SamplingOptions, got {type(self.sampling).__name__}")
+        if self.prompt is not None:
+            if self.chunks or self.history or self.template is not None:
+                raise ConfigError("a whole prompt carries its own chunks, turns and template: pass prompt alone, "
+                                  "or question with chunks=, history=, template=")
+            object.__setattr__(self, "prompt", check_prompt(self.prompt))
+            return
+        check_question(self.question)
+        chunks = self.chunks
+        if isinstance(chunks, (str, Chunk)):  # one chunk, never its characters
+            chunks = (chunks,)
+        object.__setattr__(self, "chunks", tuple(chunks))
+        check_history(self.history)
+        object.__setattr__(self, "history", tuple(self.history))
+
+    @classmethod
+    def of(cls, chunks: str | Sequence[str | Chunk] = (), question: str | None = None,
+           method: str | Policy = "cacheblend", recompute_ratio: float | str | None = None, *,
+           prompt: Prompt | None = None, history: Sequence[dict] = (), template: PromptTemplate | None = None,
+           sampling: SamplingOptions | None = None, **options: Any) -> "Request":
+        """A request from the keywords every surface takes: `max_new_tokens` (or `max_tokens`), `temperature`,
+        `top_p`, `stop`, `seed`, `grammar` go to the sampling options (over `sampling=`), every other keyword is an
+        option of `method`'s policy, built here once; `recompute_ratio="auto"` leaves the ratio to the engine."""
+        sampling, policy_options = SamplingOptions.split(options, sampling)
+        auto = recompute_ratio == "auto"
+        policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
+        return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
+                   policy=policy, auto_ratio=auto, sampling=sampling)
+
+
+def check_question(question: object, what: str = "question") -> None:
+    """A question (or prompt) is non-empty text that encodes as UTF-8 (no lone surrogates)."""
+    if not isinstance(question, str):
+        raise ConfigError(f"{what} must be a str, got {type(question).__name__}")
+    if not question.strip():
+        raise ConfigError(f"{what} is empty; ask something (the chunks alone are not a question)")
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} is not valid text ({e.reason} at position {e.start}); pass UTF-8 text") from e
+
+
+def check_history(history: object) -> None:
+    """Earlier turns are a sequence of {"role": str, "content": str} messages, none of them a system message
+    (that is the template's)."""
+    if isinstance(history, (str, dict)) or not isinstance(history, Sequence) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in history):
+        raise ConfigError("history must be a list of {'role': str, 'content': str} messages (the earlier turns)")
+    if any(m["role"] in ("system", "developer") for m in history):
+        raise ConfigError("history holds a system message; pass it as template=PromptTemplate(system=...)")
+
+
+def check_prompt(prompt: object) -> str | tuple[dict, ...]:
+    """A prompt is non-empty text, or a non-empty list of {"role": str, "content": str} messages whose user turns
+    are non-empty text; returned as a string or a tuple of messages."""
+    if isinstance(prompt, str):
+        check_question(prompt, "prompt")
+        return prompt
+    if not isinstance(prompt, Sequence) or not prompt or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        raise ConfigError("prompt must be a string or a non-empty list of {'role': str, 'content': str} messages")
+    for m in prompt:
+        if m["role"] == "user":
+            check_question(m["content"], "user message")
+    return tuple(prompt)
