@@ -259,7 +259,7 @@ def _neighbor_variants(args: argparse.Namespace, engine, chunk_ids) -> int | Non
 def _run_ingest(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .retrieval.pipeline import IngestError, ingest_paths
+    from .ingest.corpus import IngestError, ingest_paths
 
     if args.from_chroma is not None or args.chroma_path is not None:
         return _run_ingest_from_chroma(args)
@@ -362,7 +362,7 @@ def _report_deleted(args: argparse.Namespace, report, store, what: str) -> None:
 
 
 def _run_delete(args: argparse.Namespace) -> int:
-    from .retrieval.pipeline import delete_sources
+    from .ingest.corpus import delete_sources
 
     engine, store = _engine_and_store(args, create=False)
     report = delete_sources(args.paths, engine, store)
@@ -374,7 +374,7 @@ def _run_delete(args: argparse.Namespace) -> int:
 
 
 def _run_prune(args: argparse.Namespace) -> int:
-    from .retrieval.pipeline import prune_sources
+    from .ingest.corpus import prune_sources
 
     engine, store = _engine_and_store(args, create=False)
     _report_deleted(args, prune_sources(engine, store), store, "pruned")
@@ -472,7 +472,7 @@ def _add_plan(subparsers) -> None:
 
 def _corpus_chunk_tokens(paths: list[str], tokenizer, chunk_tokens: int) -> list[int]:
     """Token counts of the chunks ingest would make of these files (read and split, nothing stored)."""
-    from .retrieval.loaders import load_paths_report, split_texts
+    from .ingest.loaders import load_paths_report, split_texts
 
     for path in paths:
         if not os.path.lexists(os.path.expanduser(path)):

@@ -287,7 +287,7 @@ class CacheBlendEngine:
         if chunk.num_tokens > room:
             raise ChunkError(f"chunk {chunk.chunk_id} has {chunk.num_tokens} tokens, more than the {room} that fit "
                              f"the model's context window of {self.context_window} behind the lead-in; split it into "
-                             "smaller chunks (e.g. cacheblend_rag.retrieval.loaders.split_texts)")
+                             "smaller chunks (e.g. cacheblend_rag.ingest.loaders.split_texts)")
         return chunk
 
     def resolve_chunk(self, item: str | Chunk) -> Chunk:

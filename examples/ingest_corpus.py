@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from cacheblend_rag import CacheBlendEngine, settings  # noqa: E402
-from cacheblend_rag.retrieval import ingest_paths  # noqa: E402
+from cacheblend_rag.ingest import ingest_paths  # noqa: E402
 from cacheblend_rag.retrieval.chroma import DEFAULT_COLLECTION, ChromaChunkStore  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"

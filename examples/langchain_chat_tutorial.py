@@ -19,7 +19,7 @@ from langchain_core.prompts import ChatPromptTemplate  # noqa: E402
 from langchain_core.runnables import RunnablePassthrough  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, settings  # noqa: E402
-from cacheblend_rag.retrieval import ingest_paths  # noqa: E402
+from cacheblend_rag.ingest import ingest_paths  # noqa: E402
 from cacheblend_rag.retrieval.chroma import ChromaChunkStore  # noqa: E402
 from langchain_cacheblend import ChatCacheBlend, ChromaRetriever  # noqa: E402
 

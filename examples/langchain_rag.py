@@ -27,7 +27,7 @@ from langchain_cacheblend import (  # noqa: E402
 
 from cacheblend_rag import CacheBlendEngine, settings  # noqa: E402
 from cacheblend_rag.models.loader import model_folder  # noqa: E402
-from cacheblend_rag.retrieval import ingest_paths  # noqa: E402
+from cacheblend_rag.ingest import ingest_paths  # noqa: E402
 from cacheblend_rag.retrieval.chroma import DEFAULT_COLLECTION, ChromaChunkStore  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -12,7 +12,7 @@ import pytest
 
 from cacheblend_rag import chunk_id
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.retrieval import load_paths, load_paths_report
+from cacheblend_rag.ingest import load_paths, load_paths_report
 from cacheblend_rag.store import KVKey, open_store
 
 GOOD = "Senses of the honeybee\n\nA honeybee has five eyes: two compound eyes and three ocelli."
@@ -47,7 +47,7 @@ def test_one_unusable_file_does_not_abort_a_folder(tmp_path):
 
 
 def test_a_named_unusable_file_is_a_clear_error(tmp_path):
-    from cacheblend_rag.retrieval.loaders import load_file
+    from cacheblend_rag.ingest.loaders import load_file
 
     bad = tmp_path / "latin1.txt"
     bad.write_bytes(b"caf\xe9")
@@ -157,7 +157,7 @@ def _disk_bytes(engine, ids) -> int:
 
 @pytest.mark.model
 def test_ingest_reports_what_it_stored_and_keeps_memory_in_budget(tmp_path, engine_factory):
-    from cacheblend_rag.retrieval import ingest_paths
+    from cacheblend_rag.ingest import ingest_paths
     from cacheblend_rag.retrieval.chroma import ChromaChunkStore
 
     folder = _messy_folder(tmp_path)
@@ -180,7 +180,7 @@ def test_ingest_reports_what_it_stored_and_keeps_memory_in_budget(tmp_path, engi
 
 @pytest.mark.model
 def test_ingest_fails_when_no_kv_could_be_stored(tmp_path, engine_factory):
-    from cacheblend_rag.retrieval import IngestError, ingest_paths
+    from cacheblend_rag.ingest import IngestError, ingest_paths
 
     folder = tmp_path / "corpus"
     folder.mkdir()
@@ -196,7 +196,7 @@ def test_ingest_fails_when_no_kv_could_be_stored(tmp_path, engine_factory):
 
 @pytest.mark.model
 def test_reingest_follows_edited_emptied_and_removed_files(tmp_path, engine_factory):
-    from cacheblend_rag.retrieval import delete_sources, ingest_paths, prune_sources
+    from cacheblend_rag.ingest import delete_sources, ingest_paths, prune_sources
     from cacheblend_rag.retrieval.chroma import ChromaChunkStore
 
     folder = tmp_path / "corpus"

@@ -30,7 +30,7 @@ from langchain_core.embeddings import Embeddings  # noqa: E402
 from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 
 from cacheblend_rag import chunk_id  # noqa: E402
-from cacheblend_rag.retrieval import ingest_paths  # noqa: E402
+from cacheblend_rag.ingest import ingest_paths  # noqa: E402
 from cacheblend_rag.retrieval.chroma import ChromaChunkStore  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -164,7 +164,7 @@ def test_batch_and_async(retriever, llm):
 
 
 def test_chunk_id_retriever_wraps_a_vector_store(engine):
-    from cacheblend_rag.retrieval.embeddings import embed
+    from cacheblend_rag.ingest.embeddings import embed
 
     class Local(Embeddings):
         def embed_documents(self, texts):

@@ -14,15 +14,8 @@ import pytest
 
 from cacheblend_rag import chunk_id
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.retrieval import (
-    CHUNK_SEPARATOR,
-    ChunkRecord,
-    load_paths,
-    parse_prompt,
-    render_prompt,
-    split_texts,
-)
-from cacheblend_rag.retrieval.loaders import SourceText
+from cacheblend_rag.ingest import ChunkRecord, SourceText, load_paths, split_texts
+from cacheblend_rag.retrieval import CHUNK_SEPARATOR, parse_prompt, render_prompt
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
 

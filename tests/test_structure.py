@@ -268,7 +268,7 @@ PLUGINS = ("langchain_cacheblend", "llama_index", "langchain", "cacheblend_bench
 """Top-level names the core never imports: its partner packages, the frameworks they wrap, the benchmarks."""
 
 ALLOWED = {
-    ("cacheblend_rag/retrieval/loaders.py", "langchain_text_splitters"):
+    ("cacheblend_rag/ingest/loaders.py", "langchain_text_splitters"):
         "split_texts' documented splitter (the [langchain] extra): a text library with no LangChain runtime, "
         "imported inside the function",
 }
@@ -302,12 +302,12 @@ def plugin_imports(root: Path, repo: Path) -> list[str]:
 
 def test_plugin_checker_finds_lazy_typed_and_dynamic_imports(tmp_path):
     pkg = tmp_path / "cacheblend_rag"
-    (pkg / "retrieval").mkdir(parents=True)
+    (pkg / "ingest").mkdir(parents=True)
     (pkg / "cli.py").write_text("def ask():\n    from langchain_cacheblend.chains import create_stuff_chain\n")
     (pkg / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import llama_index.core\n")
     (pkg / "dyn.py").write_text("import importlib\nimportlib.import_module('cacheblend_bench.command')\n")
     (pkg / "core.py").write_text("from langchain_core.documents import Document\nimport langchainx\nimport os\n")
-    (pkg / "retrieval" / "loaders.py").write_text("def split():\n    import langchain_text_splitters\n")
+    (pkg / "ingest" / "loaders.py").write_text("def split():\n    import langchain_text_splitters\n")
     assert plugin_imports(pkg, tmp_path) == [
         "cacheblend_rag/cli.py:2 langchain_cacheblend.chains",
         "cacheblend_rag/core.py:1 langchain_core.documents",

@@ -35,6 +35,6 @@ def nearest_neighbors(vectors: torch.Tensor, k: int) -> list[list[int]]:
 
 def default_embed(texts: list[str]) -> list[list[float]]:
     """The package's embedding model (the one its retrieval uses)."""
-    from ..retrieval.embeddings import embed
+    from .embeddings import embed
 
     return embed(texts)

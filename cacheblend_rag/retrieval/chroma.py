@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from .. import settings
 from ..errors import CollectionNotFoundError, ConfigError, MissingDependencyError, VectorStoreError
-from .embeddings import embed, embedding_model_path, load_embedder
-from .loaders import ChunkRecord
+from ..ingest.embeddings import embed, embedding_model_path, load_embedder
+from ..ingest.loaders import ChunkRecord
 
 logger = logging.getLogger(__name__)
 

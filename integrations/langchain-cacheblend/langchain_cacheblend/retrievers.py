@@ -110,7 +110,7 @@ class ChromaRetriever(BaseRetriever):
     """Top-k search over a `cacheblend_rag.retrieval.ChromaChunkStore` (embedded or server); `k` per call too.
 
     Example:
-        >>> from cacheblend_rag.retrieval import ingest_paths
+        >>> from cacheblend_rag.ingest import ingest_paths
         >>> from cacheblend_rag.retrieval.chroma import ChromaChunkStore
         >>> store = ChromaChunkStore(home, "chroma_retriever_example")  # Chroma under a package home
         >>> _ = ingest_paths([data_dir], engine, store, show_progress=False)  # embeddings + KV, idempotent

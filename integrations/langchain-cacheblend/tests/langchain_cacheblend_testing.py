@@ -31,7 +31,7 @@ class LocalEmbeddings(Embeddings):
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         """Embed documents."""
-        from cacheblend_rag.retrieval.embeddings import embed
+        from cacheblend_rag.ingest.embeddings import embed
 
         return embed(list(texts))
 

@@ -18,7 +18,7 @@ from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from cacheblend_rag import CacheBlendEngine, ConfigError, chunk_id
-from cacheblend_rag.retrieval import ingest_paths
+from cacheblend_rag.ingest import ingest_paths
 from cacheblend_rag.retrieval.chroma import ChromaChunkStore
 from langchain_cacheblend import (
     CacheBlendLLM,

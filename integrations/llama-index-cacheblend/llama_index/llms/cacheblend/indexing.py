@@ -9,7 +9,7 @@ from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.ingest.chunks import chunk_id, normalize_text
-from cacheblend_rag.retrieval.loaders import DEFAULT_CHUNK_TOKENS, load_paths
+from cacheblend_rag.ingest.loaders import DEFAULT_CHUNK_TOKENS, load_paths
 from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.ingestion import IngestionPipeline
@@ -86,7 +86,7 @@ class LocalEmbedding(BaseEmbedding):
         return "CacheBlendLocalEmbedding"
 
     def _get_query_embedding(self, query: str) -> list[float]:
-        from cacheblend_rag.retrieval.embeddings import embed
+        from cacheblend_rag.ingest.embeddings import embed
 
         return embed([query])[0]
 
@@ -97,7 +97,7 @@ class LocalEmbedding(BaseEmbedding):
         return self._get_query_embedding(text)
 
     def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        from cacheblend_rag.retrieval.embeddings import embed
+        from cacheblend_rag.ingest.embeddings import embed
 
         return embed(list(texts))
 
