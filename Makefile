@@ -38,7 +38,7 @@ test: install
 	$(PY) -m pytest
 
 bench: install
-	$(VENV)/bin/cacheblend-rag bench --limit 20 --out bench-results
+	$(VENV)/bin/cacheblend-rag bench methods --limit 20 --out bench-results
 
 # The CUDA path: the `gpu` tests (each skips without a GPU), then a short bench on the GPU when torch sees one.
 # `make install` puts a CPU torch in .venv: on a GPU machine install a CUDA build into it first, e.g.
@@ -46,7 +46,7 @@ bench: install
 gpu-check: install
 	$(PY) -m pytest -m gpu -rs tests/test_gpu.py
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-		$(VENV)/bin/cacheblend-rag bench --limit 10 --device cuda --out bench-results-gpu; \
+		$(VENV)/bin/cacheblend-rag bench methods --limit 10 --device cuda --out bench-results-gpu; \
 	else \
 		echo "gpu-check: torch sees no CUDA GPU here, so the gpu tests skipped and the bench did not run"; \
 	fi

@@ -73,7 +73,7 @@ def one_thread():
 def test_engine_bench_end_to_end(musique, tmp_path, capsys, monkeypatch, one_thread):
     from conftest import musique_path
 
-    assert cli_main(["bench", "--data", str(musique_path()), "--limit", "1", "--chunks", "2", "--methods",
+    assert cli_main(["bench", "methods", "--data", str(musique_path()), "--limit", "1", "--chunks", "2", "--methods",
                      "full_prefill,cacheblend@0.15", "--max-new-tokens", "4", "--dtype", "float32",
                      "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
@@ -204,7 +204,7 @@ def test_bench_command_end_to_end(musique, tmp_path, capsys, one_thread):
     from conftest import musique_path
 
     out = tmp_path / "tmp"
-    code = cli_main(["bench", str(musique_path()), "--limit", "1", "--chunks", "2", "--methods",
+    code = cli_main(["bench", "methods", str(musique_path()), "--limit", "1", "--chunks", "2", "--methods",
                      "full_prefill,cacheblend@0.15,map_reduce", "--max-new-tokens", "4", "--out", str(out)])
     assert code == 0
     result = json.loads((out / "results.json").read_text())
@@ -230,10 +230,10 @@ def test_bench_command_end_to_end(musique, tmp_path, capsys, one_thread):
 
 @pytest.mark.model
 def test_bench_breakdown_times_layers_and_ops(musique, tmp_path, capsys, one_thread):
-    """`bench --breakdown`: CacheBlend's deep layers carry a fraction of full prefill's rows, pairs and attention time."""
+    """`bench breakdown`: CacheBlend's deep layers carry a fraction of full prefill's rows, pairs and attention time."""
     from conftest import musique_path
 
-    code = cli_main(["bench", str(musique_path()), "--breakdown", "--limit", "1", "--chunks", "2", "--repeats", "1",
+    code = cli_main(["bench", "breakdown", str(musique_path()), "--limit", "1", "--chunks", "2", "--repeats", "1",
                      "--dtype", "float32", "--methods", "full_prefill,cacheblend@0.15", "--out", str(tmp_path)])
     assert code == 0
     summary = json.loads((tmp_path / "breakdown.json").read_text())["summary"]
@@ -247,7 +247,7 @@ def test_bench_breakdown_times_layers_and_ops(musique, tmp_path, capsys, one_thr
     assert full["place_cached_kv_s"] == 0 < blend["place_cached_kv_s"]  # full prefill has no cached KV to place
     assert blend["select_rows_s"] > 0 and blend["plan_attention_s"] > 0 and blend["outside_layers_s"] > 0
     assert "| cacheblend@0.15 |" in (tmp_path / "breakdown.md").read_text() and "deep layer" in capsys.readouterr().out
-    assert cli_main(["bench", str(musique_path()), "--breakdown", "--methods", "stuff"]) == 2  # chains have no layers
+    assert cli_main(["bench", "breakdown", str(musique_path()), "--methods", "stuff"]) == 2  # chains have no layers
 
 
 def test_breakdown_layer_groups():
@@ -277,7 +277,7 @@ def test_dataset_from_the_working_folder_and_an_error_that_names_both_ways(tmp_p
     with pytest.raises(FileNotFoundError) as missing:
         resolve_dataset(None)
     assert "--data PATH" in str(missing.value) and "$CACHEBLEND_RAG_MUSIQUE" in str(missing.value)
-    assert cli_main(["bench", "--limit", "1"]) == 2  # before any model is loaded
+    assert cli_main(["bench", "methods", "--limit", "1"]) == 2  # before any model is loaded
     assert "--data PATH" in capsys.readouterr().err
     shared = tmp_path / "shared" / "data" / "musique_dev.json"
     shared.parent.mkdir(parents=True)
@@ -288,14 +288,17 @@ def test_dataset_from_the_working_folder_and_an_error_that_names_both_ways(tmp_p
         resolve_dataset(None)  # a variable that is set but wrong is an error, not a silent fallback
 
 
-def test_bench_modes_exclude_each_other(tmp_path):
+def test_bench_studies_are_subcommands_with_their_own_options(tmp_path, capsys):
     data = tmp_path / "d.json"
     data.write_text("[]")
-    with pytest.raises(SystemExit) as both:
-        cli_main(["bench", "--data", str(data), "--loading", "--breakdown"])
-    assert both.value.code == 2
-    assert cli_main(["bench", "--data", str(data), "--loading", "--methods", "full_prefill"]) == 2
-    assert cli_main(["bench", "--data", str(data), str(tmp_path / "other.json")]) == 2  # two datasets
+    for argv, wrong in ((["--data", str(data)], "STUDY"),  # a study must be named
+                        (["loading", "--data", str(data), "--methods", "full_prefill"], "--methods"),
+                        (["methods", "--data", str(data), "--guard", "0.1"], "--guard"),  # trace's option
+                        (["methods", "--data", str(data), "--peers", "kvboost"], "--peers")):  # conversation's
+        with pytest.raises(SystemExit) as refused:
+            cli_main(["bench", *argv])
+        assert refused.value.code == 2 and wrong in capsys.readouterr().err
+    assert cli_main(["bench", "methods", "--data", str(data), str(tmp_path / "other.json")]) == 2  # two datasets
 
 
 def test_engine_methods_are_the_policy_registry_s():
@@ -347,12 +350,12 @@ def test_faq_set_is_seeded_and_each_answer_is_in_one_chunk():
 
 @pytest.mark.model
 def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
-    """`bench --frames`: every entry point's prompt against the model's own forward of it; full prefill is that
-    forward (KL ≈ 0 in fp32); `bench --faq` scores answers."""
+    """`bench frames`: every entry point's prompt against the model's own forward of it; full prefill is that
+    forward (KL ≈ 0 in fp32); `bench faq` scores answers."""
     from conftest import musique_path
 
     out = tmp_path / "out"
-    assert cli_main(["bench", str(musique_path()), "--frames", "--limit", "1", "--chunks", "3", "--dtype", "float32",
+    assert cli_main(["bench", "frames", str(musique_path()), "--limit", "1", "--chunks", "3", "--dtype", "float32",
                      "--max-new-tokens", "4", "--out", str(out), "-q"]) == 0
     result = json.loads((out / "frames.json").read_text())
     rows = {(r["frame"], r["method"]): r for r in result["summary"]}
@@ -361,7 +364,7 @@ def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
         assert rows[(frame, "full_prefill")]["kl_vs_model"] < 1e-4
         assert rows[(frame, "cacheblend@0.15")]["chunk_hits"] == 3  # every frame's prompt found its chunks
         assert rows[(frame, "full_reuse")]["kl_vs_model"] > rows[(frame, "full_prefill")]["kl_vs_model"]
-    assert cli_main(["bench", "--faq", "--limit", "2", "--k", "3", "--dtype", "float32", "--max-new-tokens", "8",
+    assert cli_main(["bench", "faq", "--limit", "2", "--k", "3", "--dtype", "float32", "--max-new-tokens", "8",
                      "--out", str(out), "-q"]) == 0
     faq = json.loads((out / "faq.json").read_text())
     pairs = {(r["frame"], r["method"]) for r in faq["summary"]}
@@ -371,11 +374,11 @@ def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
 
 @pytest.mark.model
 def test_bench_conversation_end_to_end(tmp_path, one_thread):
-    """`bench --conversation`: turns 2+ start from the previous turn's stored prefix; the arm without them does not."""
+    """`bench conversation`: turns 2+ start from the previous turn's stored prefix; the arm without them does not."""
     from conftest import musique_path
 
     out = tmp_path / "out"
-    assert cli_main(["bench", str(musique_path()), "--conversation", "--limit", "1", "--chunks", "2", "--dtype",
+    assert cli_main(["bench", "conversation", str(musique_path()), "--limit", "1", "--chunks", "2", "--dtype",
                      "float32", "--max-new-tokens", "4", "--out", str(out), "-q"]) == 0
     result = json.loads((out / "conversation.json").read_text())
     turns = result["summary"]["turns"]
@@ -387,14 +390,13 @@ def test_bench_conversation_end_to_end(tmp_path, one_thread):
     assert "| 4 | 1 |" in (out / "conversation.md").read_text()
 
 
-def test_bench_peers_are_named_and_need_conversation(tmp_path):
-    """`--peers` takes only the peers it knows, and only with --conversation (before any model loads)."""
+def test_bench_peers_are_named(tmp_path):
+    """`conversation --peers` takes only the peers it knows."""
     from cacheblend_bench.peers import parse_peers
 
     assert parse_peers("kvboost, llama.cpp") == ("kvboost", "llama.cpp") and parse_peers(None) == ()
     with pytest.raises(ValueError, match="unknown peer"):
         parse_peers("kvboost,vllm")
-    assert cli_main(["bench", "--peers", "kvboost", "--limit", "1", "--out", "", "-q"]) == 2  # add --conversation
 
 
 @pytest.mark.parametrize("name, module", [("kvboost", "kvboost"), ("llama.cpp", "llama_cpp")])
@@ -421,7 +423,7 @@ def test_bench_conversation_with_peers(tmp_path, one_thread):
     names = [n for n, module in (("kvboost", "kvboost"), ("llama.cpp", "llama_cpp"))
              if importlib.util.find_spec(module) is not None]
     out = tmp_path / "out"
-    assert cli_main(["bench", str(musique_path()), "--conversation", "--peers", ",".join(names), "--limit", "1",
+    assert cli_main(["bench", "conversation", str(musique_path()), "--peers", ",".join(names), "--limit", "1",
                      "--chunks", "1", "--dtype", "float32", "--max-new-tokens", "2", "--out", str(out), "-q"]) == 0
     result = json.loads((out / "conversation.json").read_text())
     assert result["meta"]["peers"]["ran"] == names

@@ -287,7 +287,7 @@ def test_a_subcommand_registered_by_an_installed_distribution(tmp_path, monkeypa
     assert build_parser().parse_args(["hello"]).command == "hello"
     # the package's own plugins come from the distributions make install puts beside it
     parser = build_parser()
-    assert parser.parse_args(["bench", "--limit", "1"]).limit == 1 and parser.parse_args(["ask", "q"]).k == 6
+    assert parser.parse_args(["bench", "methods", "--limit", "1"]).limit == 1 and parser.parse_args(["ask", "q"]).k == 6
     assert parser.parse_args(["codec-bench", "--questions", "1"]).questions == 1
 
 

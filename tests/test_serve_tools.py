@@ -283,7 +283,7 @@ def test_call_stream_text_and_odd_shapes():
 
 
 def test_a_closing_tag_inside_an_argument_string_stays_in_the_argument():
-    # SmolLM2 wrote "</tool_call>" inside a retriever query (bench --agent): the JSON is read first, then the tag
+    # SmolLM2 wrote "</tool_call>" inside a retriever query (bench agent): the JSON is read first, then the tag
     from cacheblend_rag.tools import parse_tool_calls
 
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo</tool_call>Bergen"}}</tool_call>'

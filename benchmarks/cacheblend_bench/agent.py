@@ -1,4 +1,4 @@
-"""`bench --agent`: a retrieval agent over the dev corpus, step by step, and what constrained decoding costs.
+"""`bench agent`: a retrieval agent over the dev corpus, step by step, and what constrained decoding costs.
 
 Per question, the agent loop of LangChain's RAG tutorial in the package's generic tool format (`cacheblend_rag.tools`):
 

@@ -1,6 +1,6 @@
 """Where the prefill time goes: per-layer times, rows and attention pairs, and op shares, per method.
 
-    cacheblend-rag bench --breakdown --limit 3 --dtype bfloat16 --methods full_prefill,full_reuse,cacheblend@0.15
+    cacheblend-rag bench breakdown --limit 3 --dtype bfloat16 --methods full_prefill,full_reuse,cacheblend@0.15
 
 Prefill only (no decoding). On CUDA the op shares are device time, but the per-layer times are host
 time between launches (the loop does not synchronise per layer), so read them as approximate there.

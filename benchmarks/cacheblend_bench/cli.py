@@ -12,11 +12,11 @@ import sys
 from collections.abc import Sequence
 
 BENCH_HELP = "benchmark every method (TTFT, quality, agreement) on MuSiQue-style data"
-BENCH_DESCRIPTION = ("Run full prefill, prefix cache, full reuse, CacheBlend at several ratios, the LangChain stuff / "
-                     "map-reduce / map-rerank chains and HuggingFacePipeline on the same model and prompts; write "
-                     "results.json, results.md and quality_vs_ttft.png. --breakdown: where the prefill time goes; "
-                     "--loading: KV in memory vs on disk; --trace: chunks that recur with different companions "
-                     "(warm/cold corpus, quality guard).")
+BENCH_DESCRIPTION = ("One study per subcommand, on the same model and MuSiQue-style prompts: `methods` runs full "
+                     "prefill, prefix cache, full reuse, CacheBlend at several ratios, the LangChain chains and "
+                     "HuggingFacePipeline side by side (results.json, results.md, quality_vs_ttft.png); the others "
+                     "each answer one question (where the time goes, loading, recurring chunks, fidelity per frame, "
+                     "conversations, agents, the server under load and faults).")
 CODECS_HELP = "KV codecs on real KV: size, error, speed and first-token KL"
 
 

@@ -1,27 +1,27 @@
-"""`cacheblend-rag bench`: the one command line of the benchmarks (registered by `cli`).
+"""`cacheblend-rag bench STUDY`: the one command line of the benchmarks (registered by `cli`).
 
-    cacheblend-rag bench --limit 20 --chunks 6 --out bench-results          # every method, chains included
-    cacheblend-rag bench --limit 20 --methods full_prefill,prefix_cache,full_reuse,cacheblend   # engine only
-    cacheblend-rag bench --limit 20 --sweep --out bench-sweep                # quality vs recompute ratio
-    cacheblend-rag bench --limit 20 --chunk-tokens 256 --out bench-256       # chunk length sensitivity
-    cacheblend-rag bench --limit 10 --concurrency 4 --out bench-load         # + throughput under load
-    cacheblend-rag bench --limit 3 --breakdown --out bench-breakdown         # where the prefill time goes
-    cacheblend-rag bench --limit 6 --loading --dtype bfloat16                # KV in memory vs on disk, "auto"
-    cacheblend-rag bench --trace --limit 20 --repeats 3 --k 6 --guard 0.05   # chunks recurring in new company
-    cacheblend-rag bench --limit 8 --decode --out bench-decode               # decode ms/token: ours vs HF generate
-    cacheblend-rag bench --limit 8 --serve-load --requests 16 --out bench-serve   # the server under HTTP load
-    cacheblend-rag bench --faults --limit 4 --chunks 3 --max-new-tokens 8   # 2 replicas + Redis under faults
-    cacheblend-rag bench --shared-tier --limit 9                             # Redis hit vs memory hit; codecs at 1 Gbit/s
-    cacheblend-rag bench --frames --limit 20 --dtype bfloat16                # KL vs the model's own forward, per frame
-    cacheblend-rag bench --faq --limit 40 --k 4 --max-new-tokens 16         # answer accuracy on made-up FAQ chunks
-    cacheblend-rag bench --conversation --limit 10 --dtype bfloat16          # 4-turn chats: stored prefixes vs not
-    cacheblend-rag bench --conversation --rss --limit 100 --prefix-budget-mb 64   # prefix tier bytes and RSS
-    cacheblend-rag bench --agent --limit 10 --dtype bfloat16                 # retrieval agent: steps, constrained cost
+    cacheblend-rag bench methods --limit 20 --chunks 6 --out bench-results  # every method, chains included
+    cacheblend-rag bench methods --limit 20 --methods full_prefill,prefix_cache,full_reuse,cacheblend   # engine only
+    cacheblend-rag bench sweep --limit 20 --out bench-sweep                 # quality vs recompute ratio
+    cacheblend-rag bench methods --limit 20 --chunk-tokens 256 --out bench-256   # chunk length sensitivity
+    cacheblend-rag bench methods --limit 10 --concurrency 4 --out bench-load     # + throughput under load
+    cacheblend-rag bench breakdown --limit 3 --out bench-breakdown          # where the prefill time goes
+    cacheblend-rag bench loading --limit 6 --dtype bfloat16                 # KV in memory vs on disk, "auto"
+    cacheblend-rag bench trace --limit 20 --repeats 3 --k 6 --guard 0.05    # chunks recurring in new company
+    cacheblend-rag bench decode --limit 8 --out bench-decode                # decode ms/token: ours vs HF generate
+    cacheblend-rag bench serve-load --limit 8 --requests 16 --out bench-serve    # the server under HTTP load
+    cacheblend-rag bench faults --limit 4 --chunks 3 --max-new-tokens 8     # 2 replicas + Redis under faults
+    cacheblend-rag bench shared-tier --limit 9                              # Redis hit vs memory hit; codecs at 1 Gbit/s
+    cacheblend-rag bench frames --limit 20 --dtype bfloat16                 # KL vs the model's own forward, per frame
+    cacheblend-rag bench faq --limit 40 --k 4 --max-new-tokens 16           # answer accuracy on made-up FAQ chunks
+    cacheblend-rag bench conversation --limit 10 --dtype bfloat16           # 4-turn chats: stored prefixes vs not
+    cacheblend-rag bench conversation --rss --limit 100 --prefix-budget-mb 64    # prefix tier bytes and RSS
+    cacheblend-rag bench agent --limit 10 --dtype bfloat16                  # retrieval agent: steps, constrained cost
 
-The data: --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working
-folder. Writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under
---out (breakdown.md/json with --breakdown, loading.md/json with --loading, trace.md/json and
-trace_kl_vs_ttft.png with --trace).
+Each study takes the data, engine and output options, and its own (`cacheblend-rag bench STUDY -h`). The data:
+DATASET or --data PATH, else $CACHEBLEND_RAG_MUSIQUE, else ../shared/data/musique_dev.json from the working folder.
+`methods` writes results.json (every record + summary), results.md (the table) and quality_vs_ttft.png under --out;
+the other studies write <study>.md/json (and trace_kl_vs_ttft.png for trace).
 """
 
 from __future__ import annotations
@@ -45,113 +45,30 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The bench options, on the `cacheblend-rag bench` parser."""
+def _common_options() -> list[argparse.ArgumentParser]:
+    """The data, engine and output options every study takes (argparse parents)."""
     from cacheblend_rag import settings
     from .datasets import FALLBACK_DATASET
 
-    data = parser.add_argument_group("data")
+    parent = argparse.ArgumentParser(add_help=False)
+    data = parent.add_argument_group("data")
+    data.add_argument("dataset", nargs="?", metavar="DATASET", help="the same as --data PATH")
     data.add_argument("--data", metavar="PATH", help="MuSiQue-style JSON [{ctxs: [{title, text}], question, answers}] "
                       f"(default: ${settings.ENV_MUSIQUE}, else {FALLBACK_DATASET} from the working folder)")
-    data.add_argument("dataset", nargs="?", metavar="DATASET", help="the same as --data PATH")
     data.add_argument("--limit", type=int, default=20, help="questions to run (default 20; 0 = all)")
     data.add_argument("--shuffle", action="store_true", help="take a seeded random sample of questions")
     data.add_argument("--chunks", type=int, default=6, help="passages (chunks) per question (default 6)")
     data.add_argument("--chunk-tokens", type=int, default=None, metavar="N",
                       help="re-cut each question's passages into --chunks chunks of about N tokens (model tokenizer)")
 
-    mode = parser.add_argument_group("what to run (default: every method, then the table and plot)")
-    modes = mode.add_mutually_exclusive_group()
-    modes.add_argument("--breakdown", action="store_true",
-                       help="instead, time and profile each engine method's prefill: per-layer times, rows and "
-                       "attention pairs, and attention / matmul / other shares (breakdown.md)")
-    modes.add_argument("--decode", action="store_true",
-                       help="instead, decode ms/token of the engine's decoder vs HF generate after fused prompts of "
-                       "~0.5k/2k/3.7k/7k tokens, identical greedy tokens checked, beside the memory bound; and "
-                       "batched steps (decode.md)")
-    modes.add_argument("--serve-load", action="store_true",
-                       help="instead, start `cacheblend-rag serve` and drive it over HTTP with the openai SDK: "
-                       "--concurrency clients (default 8), --requests requests, --chunks passages each: continuous "
-                       "batching vs one at a time, CacheBlend vs full prefill; then an overload run (serve_load.md)")
-    modes.add_argument("--loading", action="store_true",
-                       help="instead, TTFT with the KV in memory vs on disk (pipelined and on demand, page cache "
-                       f"dropped), and recompute_ratio='auto' vs fixed ratios; CacheBlend at the first --ratios "
-                       f"value (default {LOADING_RATIO}) (loading.md)")
-    modes.add_argument("--trace", action="store_true",
-                       help="instead, the trace workload (bench/trace.py): per question --repeats requests of --k "
-                       "of its passages in random order, all questions interleaved, on a warm and/or cold corpus; "
-                       "TTFT, recompute, KL and agreement vs full prefill of each request (trace.md)")
-    modes.add_argument("--faults", action="store_true",
-                       help="instead, 2 serve replicas sharing a redis-server under a steady load while Redis is "
-                       "killed, a replica is killed, Redis is full, stored bytes are flipped: completed / failed / "
-                       "wrong per scenario (faults.md)")
-    modes.add_argument("--shared-tier", action="store_true",
-                       help="instead, a replica's TTFT on a Redis hit vs a memory hit, and TTFT per codec with Redis "
-                       "behind a paced 1 Gbit/s link vs recompute (shared_tier.md)")
-    mode.add_argument("--fault-requests", type=int, default=24, metavar="N",
-                      help="requests per --faults scenario (default 24)")
-    mode.add_argument("--clients", type=int, default=4, metavar="C", help="client threads of --faults (default 4)")
-    mode.add_argument("--fault-scenarios", default=None, metavar="NAMES",
-                      help="comma-separated --faults scenarios to run (default: all; faults.SCENARIOS)")
-    modes.add_argument("--frames", action="store_true",
-                       help="fidelity per entry point: first-token KL vs the model's own forward of each frame's "
-                            "prompt (chain, chat, string, LangChain, LlamaIndex), agreement, TTFT")
-    modes.add_argument("--faq", action="store_true",
-                       help="answer accuracy on a generated FAQ set (made-up products, one fact per question; "
-                            "--limit questions, --k chunks each) in the chat and string frames")
-    modes.add_argument("--conversation", action="store_true",
-                       help="4-turn chats over each question's passages: per turn TTFT with stored prefixes, without "
-                            "them, and full prefill; first-token KL vs full prefill (writes conversation.md)")
-    modes.add_argument("--agent", action="store_true",
-                       help="a retrieval agent per question (forced tool call, then the answer over the tool's "
-                            "passages): per step TTFT, chunk hits in tool results, constrained vs free decode "
-                            "ms/token (writes agent.md)")
-    mode.add_argument("--peers", default=None, metavar="NAMES",
-                      help="with --conversation, also time these engines on the same turns: kvboost, llama.cpp "
-                           "(optional: pip install -e 'benchmarks[peers]'; a missing one is skipped)")
-    modes.add_argument("--sweep", action="store_true",
-                       help="quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0; "
-                       "also writes quality_vs_ratio.png")
-    mode.add_argument("--methods", default=None,
-                      help="comma-separated: full_prefill, prefix_cache, full_reuse, cacheblend[@r][/opt=v...], "
-                      "stuff, map_reduce, map_rerank, hf_pipeline (default: all; a bare 'cacheblend' means each of "
-                      "--ratios)")
-    mode.add_argument("--ratios", type=_floats, default=None,
-                      help="CacheBlend recompute ratios (default 0.05,0.15,0.30; with --sweep 0.05 … 1.0)")
-    mode.add_argument("--concurrency", type=int, default=0, metavar="C",
-                      help="also replay the questions from C client threads: queries/min and TTFT under load")
-    mode.add_argument("--load-methods", default=DEFAULT_LOAD_METHODS,
-                      help=f"methods for --concurrency (default {DEFAULT_LOAD_METHODS})")
-    mode.add_argument("--repeats", type=int, default=None, metavar="R",
-                      help="timed rounds per question with --breakdown (default 2); requests per question with "
-                      "--trace (default 3)")
-    trace = parser.add_argument_group("--trace")
-    trace.add_argument("--k", type=int, default=6, help="passages per trace request (default 6)")
-    trace.add_argument("--trace-modes", default="warm,cold",
-                       help="corpus modes: warm (every passage precomputed), cold (caches from live requests only), "
-                       "neighbors (warm, plus cachecraft's variants of each passage after its 2 nearest passages); "
-                       "default warm,cold")
-    trace.add_argument("--guard", type=float, default=None, metavar="THRESHOLD",
-                       help="evaluate the quality guard: methods that take one compute it (flag only), and a twin "
-                       "escalates flagged requests to --guard-ratio")
-    trace.add_argument("--guard-ratio", type=float, default=None, metavar="R",
-                       help="the ratio flagged requests escalate to (default: twice the method's ratio)")
-    chat = parser.add_argument_group("--conversation")
-    chat.add_argument("--rss", action="store_true",
-                      help="instead of the timing arms: --limit 2-turn chats on a prefix tier of --prefix-budget-mb; "
-                      "its bytes vs budget and the process RSS every 10 chats (writes conversation_rss.md)")
-    chat.add_argument("--prefix-budget-mb", type=float, default=64.0, metavar="MB",
-                      help="the prefix tier's byte budget with --rss (default 64)")
-    mode.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of the chain methods")
-
-    engine = parser.add_argument_group("engine")
+    engine = parent.add_argument_group("engine")
     engine.add_argument("--model", default="smollm2-135m", help="packaged model alias, local model folder or hub id org/name")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     engine.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     engine.add_argument("--lead-in", default="prefix", choices=("prefix", "bos", "none"), help="chunk KV lead-in")
     engine.add_argument("--kv-store", default=None, metavar="DIR",
-                        help="on-disk KV store (memory tier over it; --loading: its disk); default: in memory only "
-                        "(--loading: a temporary folder)")
+                        help="on-disk KV store (memory tier over it; loading: its disk); default: in memory only "
+                        "(loading: a temporary folder)")
     engine.add_argument("--home", default=None, help="package home (converted models, profiles)")
     engine.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per answer (default 32)")
     engine.add_argument("--seed", type=int, default=0, help="seed for sampling/shuffling (decoding is greedy)")
@@ -159,10 +76,148 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's choice); on a shared CPU, fewer threads than "
                         "cores avoids oversubscription")
 
-    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+    output = parent.add_argument_group("output")
+    output.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                         help=f"write the results here (default {DEFAULT_OUT}; '' for none)")
-    parser.add_argument("--requests", type=int, default=16, help="requests per --serve-load run (default 16)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    output.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return [parent]
+
+
+def _methods(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--methods", default=None,
+                   help="comma-separated: full_prefill, prefix_cache, full_reuse, cacheblend[@r][/opt=v...], stuff, "
+                   "map_reduce, map_rerank, hf_pipeline (default: all; a bare 'cacheblend' means each of --ratios)")
+
+
+def _ratios(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--ratios", type=_floats, default=None, help=f"CacheBlend recompute ratios (default {default})")
+
+
+def _repeats(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--repeats", type=int, default=None, metavar="R", help=what)
+
+
+def _no_warmup(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of the chain methods")
+
+
+def _methods_study(p: argparse.ArgumentParser) -> None:
+    _methods(p)
+    _ratios(p, "0.05,0.15,0.30")
+    p.add_argument("--concurrency", type=int, default=0, metavar="C",
+                   help="also replay the questions from C client threads: queries/min and TTFT under load")
+    p.add_argument("--load-methods", default=DEFAULT_LOAD_METHODS,
+                   help=f"methods for --concurrency (default {DEFAULT_LOAD_METHODS})")
+    _no_warmup(p)
+
+
+def _sweep_study(p: argparse.ArgumentParser) -> None:
+    _methods(p)
+    _ratios(p, "0.05 … 1.0")
+    _no_warmup(p)
+
+
+def _breakdown_study(p: argparse.ArgumentParser) -> None:
+    _methods(p)
+    _ratios(p, "0.05,0.15,0.30")
+    _repeats(p, "timed rounds per question (default 2)")
+
+
+def _serve_load_study(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=int, default=8, metavar="C", help="openai SDK clients (default 8)")
+    p.add_argument("--requests", type=int, default=16, help="requests per run (default 16)")
+
+
+def _trace_study(p: argparse.ArgumentParser) -> None:
+    _methods(p)
+    _repeats(p, "requests per question (default 3)")
+    p.add_argument("--k", type=int, default=6, help="passages per trace request (default 6)")
+    p.add_argument("--trace-modes", default="warm,cold",
+                   help="corpus modes: warm (every passage precomputed), cold (caches from live requests only), "
+                   "neighbors (warm, plus cachecraft's variants of each passage after its 2 nearest passages); "
+                   "default warm,cold")
+    p.add_argument("--guard", type=float, default=None, metavar="THRESHOLD",
+                   help="evaluate the quality guard: methods that take one compute it (flag only), and a twin "
+                   "escalates flagged requests to --guard-ratio")
+    p.add_argument("--guard-ratio", type=float, default=None, metavar="R",
+                   help="the ratio flagged requests escalate to (default: twice the method's ratio)")
+
+
+def _faults_study(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fault-requests", type=int, default=24, metavar="N", help="requests per scenario (default 24)")
+    p.add_argument("--clients", type=int, default=4, metavar="C", help="client threads (default 4)")
+    p.add_argument("--fault-scenarios", default=None, metavar="NAMES",
+                   help="comma-separated scenarios to run (default: all; faults.SCENARIOS)")
+
+
+def _faq_study(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--k", type=int, default=6, help="chunks per question (default 6)")
+
+
+def _conversation_study(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--peers", default=None, metavar="NAMES",
+                   help="also time these engines on the same turns: kvboost, llama.cpp (optional: pip install -e "
+                   "'benchmarks[peers]'; a missing one is skipped)")
+    p.add_argument("--rss", action="store_true",
+                   help="instead of the timing arms: --limit 2-turn chats on a prefix tier of --prefix-budget-mb; "
+                   "its bytes vs budget and the process RSS every 10 chats (writes conversation_rss.md)")
+    p.add_argument("--prefix-budget-mb", type=float, default=64.0, metavar="MB",
+                   help="the prefix tier's byte budget with --rss (default 64)")
+
+
+def _ratio_study(p: argparse.ArgumentParser) -> None:
+    _ratios(p, f"{LOADING_RATIO}: the first value is used")
+
+
+def _decode_study(p: argparse.ArgumentParser) -> None:
+    _repeats(p, "timed rounds per prompt length (default: decode_bench's)")
+
+
+def _nothing(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+# study name: (one line of help, its own options)
+STUDIES: dict[str, tuple[str, object]] = {
+    "methods": ("every method side by side (engine, chains, HuggingFacePipeline): TTFT, quality, agreement; the "
+                "table and plot", _methods_study),
+    "sweep": ("quality vs recompute ratio: full prefill, full reuse and CacheBlend at 0.05 … 1.0", _sweep_study),
+    "breakdown": ("where the prefill time goes: per-layer times, rows, attention pairs, op shares", _breakdown_study),
+    "decode": ("decode ms/token of the engine's decoder vs HF generate after fused prompts, and batched steps",
+               _decode_study),
+    "serve-load": ("`cacheblend-rag serve` driven over HTTP by openai SDK clients: continuous batching vs one at a "
+                   "time, then an overload run", _serve_load_study),
+    "loading": ("TTFT with the KV in memory vs on disk, and recompute_ratio='auto' vs fixed ratios", _ratio_study),
+    "trace": ("chunks recurring with different companions (warm/cold corpus, the quality guard): TTFT, recompute, "
+              "KL and agreement vs full prefill", _trace_study),
+    "faults": ("2 serve replicas sharing a redis-server under load while Redis or a replica is killed, Redis is "
+               "full, stored bytes are flipped", _faults_study),
+    "shared-tier": ("a replica's TTFT on a Redis hit vs a memory hit; per codec behind a paced 1 Gbit/s link",
+                    _ratio_study),
+    "frames": ("fidelity per entry point: first-token KL vs the model's own forward of each frame's prompt", _nothing),
+    "faq": ("answer accuracy on a generated FAQ set (one fact per question) in the chat and string frames",
+            _faq_study),
+    "conversation": ("4-turn chats: per turn TTFT with stored prefixes, without them, full prefill (and peers)",
+                     _conversation_study),
+    "agent": ("a retrieval agent per question: per step TTFT, chunk hits in tool results, constrained vs free "
+              "decode ms/token", _nothing),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One subcommand per study on the `cacheblend-rag bench` parser, each with the common options and its own."""
+    parents = _common_options()
+    studies = parser.add_subparsers(dest="study", required=True, metavar="STUDY",
+                                    title="studies (cacheblend-rag bench STUDY -h for each one's options)")
+    own_options = {}
+    for name, (help_text, add_own) in STUDIES.items():
+        p = studies.add_parser(name, parents=parents, help=help_text, description=help_text + ".")
+        own = p.add_argument_group(f"{name} options")
+        add_own(own)
+        own_options[name] = (p, {a.dest for a in own._group_actions})
+    every_option = set().union(*(dests for _, dests in own_options.values()))
+    for p, dests in own_options.values():  # another study's option reads as None in the code the studies share
+        p.set_defaults(**dict.fromkeys(every_option - dests))
 
 
 def _dataset(args: argparse.Namespace) -> Path:
@@ -178,7 +233,7 @@ def _questions_and_engine(args: argparse.Namespace, dataset: Path):
     """The questions to run and the engine to run them on, as the options say (threads set first)."""
     from .datasets import load_dataset
 
-    engine = _engine(args, kv_store=None if args.loading else args.kv_store)
+    engine = _engine(args, kv_store=None if args.study == "loading" else args.kv_store)
     items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
     return items, engine
 
@@ -192,10 +247,10 @@ def _engine(args: argparse.Namespace, kv_store: str | None):
 
         torch.set_num_threads(args.threads)
     # Methods are compared on the same prompts: a stored prefix of one method's request would hand the next its KV
-    # exactly. Only --conversation (its own arm without them included) and --agent (a loop) keep stored prefixes.
+    # exactly. Only conversation (its own arm without them included) and agent (a loop) keep stored prefixes.
     return CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
                                             home=args.home, lead_in=args.lead_in,
-                                            prefix_reuse=args.conversation or args.agent)
+                                            prefix_reuse=args.study in ("conversation", "agent"))
 
 
 def _print_and_write(args: argparse.Namespace, name: str, header: str, table: str, result: dict) -> None:
@@ -212,35 +267,13 @@ def _dtype(engine) -> str:
 
 
 def execute(args: argparse.Namespace) -> dict:
-    """Run what the parsed args describe; prints the tables, writes the outputs; returns the result."""
-    if args.faq:
+    """Run the study the parsed args name; prints the tables, writes the outputs; returns the result."""
+    if args.study == "faq":
         return _faq(args)
-    dataset = _dataset(args)
-    if args.frames:
-        return _frames(args, dataset)
-    if args.conversation:
-        return _conversation(args, dataset)
-    if args.agent:
-        return _agent(args, dataset)
-    if args.peers:
-        from cacheblend_rag.errors import ConfigError
-
-        raise ConfigError("--peers times other engines on --conversation's turns; add --conversation")
-    if args.breakdown:
-        return _breakdown(args, dataset)
-    if args.decode:
-        return _decode(args, dataset)
-    if args.serve_load:
-        return _serve_load(args, dataset)
-    if args.loading:
-        return _loading(args, dataset)
-    if args.trace:
-        return _trace(args, dataset)
-    if args.guard is not None or args.guard_ratio is not None:
-        raise ValueError("--guard and --guard-ratio evaluate the quality guard on --trace; add --trace")
-    if args.faults or args.shared_tier:
-        return _shared_tier(args, dataset)
-    return _benchmark(args, dataset)
+    run = {"methods": _benchmark, "sweep": _benchmark, "breakdown": _breakdown, "decode": _decode,
+           "serve-load": _serve_load, "loading": _loading, "trace": _trace, "faults": _shared_tier,
+           "shared-tier": _shared_tier, "frames": _frames, "conversation": _conversation, "agent": _agent}
+    return run[args.study](args, _dataset(args))
 
 
 def _benchmark(args: argparse.Namespace, dataset: Path) -> dict:
@@ -251,15 +284,16 @@ def _benchmark(args: argparse.Namespace, dataset: Path) -> dict:
     from .methods import DEFAULT_RATIOS, SWEEP_RATIOS, MethodSpec, parse_methods
     from .report import format_load_table, format_table, machine, write_outputs
 
-    ratios = args.ratios or (SWEEP_RATIOS if args.sweep else DEFAULT_RATIOS)
+    sweep = args.study == "sweep"
+    ratios = args.ratios or (SWEEP_RATIOS if sweep else DEFAULT_RATIOS)
     hf = False
-    if (args.methods is None and not args.sweep) or (args.methods and "hf_pipeline" in args.methods):
+    if (args.methods is None and not sweep) or (args.methods and "hf_pipeline" in args.methods):
         from .chains import hf_available
 
         hf = hf_available()
         if args.methods and "hf_pipeline" in args.methods and not hf:
             raise ValueError("hf_pipeline needs langchain-huggingface: pip install --no-deps langchain-huggingface")
-    specs = parse_methods(args.methods, ratios, sweep=args.sweep, hf_available=hf)
+    specs = parse_methods(args.methods, ratios, sweep=sweep, hf_available=hf)
     load_specs = [MethodSpec.parse(m) for m in args.load_methods.split(",") if m.strip()] if args.concurrency else []
 
     items, engine = _questions_and_engine(args, dataset)
@@ -280,7 +314,7 @@ def _benchmark(args: argparse.Namespace, dataset: Path) -> dict:
     meta = {
         "dataset": str(dataset), "dataset_name": dataset.stem, "questions": len(items), "chunks": args.chunks,
         "chunk_tokens": args.chunk_tokens, "methods": [s.label for s in specs], "ratios": list(ratios),
-        "sweep": args.sweep, "model": args.model, "dtype": _dtype(engine), "device": str(engine.adapter.device),
+        "sweep": sweep, "model": args.model, "dtype": _dtype(engine), "device": str(engine.adapter.device),
         "lead_in": args.lead_in, "kv_store": args.kv_store, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
         "shuffle": args.shuffle, "concurrency": args.concurrency, "warmup": not args.no_warmup, "machine": machine(),
     }
@@ -303,7 +337,7 @@ def _benchmark(args: argparse.Namespace, dataset: Path) -> dict:
 
 
 def _frames(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--frames`: each entry point's prompt, KL vs the model's own forward of it; prints and writes frames.md."""
+    """`frames`: each entry point's prompt, KL vs the model's own forward of it; prints and writes frames.md."""
     from .frames import format_frames, run_frames
     from .report import machine
 
@@ -318,7 +352,7 @@ def _frames(args: argparse.Namespace, dataset: Path) -> dict:
 
 
 def _conversation(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--conversation`: 4-turn chats, stored prefixes vs none vs full prefill; prints and writes conversation.md."""
+    """`conversation`: 4-turn chats, stored prefixes vs none vs full prefill; prints and writes conversation.md."""
     from .conversation import RATIO, format_conversation, format_peers, run_conversation, summarize_peers
     from cacheblend_rag.models.loader import model_folder
     from .peers import open_peers, parse_peers
@@ -350,7 +384,7 @@ def _conversation(args: argparse.Namespace, dataset: Path) -> dict:
 
 
 def _agent(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--agent`: a two-step retrieval agent per question; prints and writes agent.md."""
+    """`agent`: a two-step retrieval agent per question; prints and writes agent.md."""
     from .agent import format_agent, run_agent
     from .report import machine
 
@@ -366,7 +400,7 @@ def _agent(args: argparse.Namespace, dataset: Path) -> dict:
 
 
 def _conversation_rss(args: argparse.Namespace, items: list[dict], engine) -> dict:
-    """`--conversation --rss`: the prefix tier's bytes vs its budget and the process RSS over many short chats."""
+    """`conversation --rss`: the prefix tier's bytes vs its budget and the process RSS over many short chats."""
     from .conversation import distinct_chats, format_rss, run_rss
     from .report import machine
 
@@ -384,7 +418,7 @@ def _conversation_rss(args: argparse.Namespace, items: list[dict], engine) -> di
 
 
 def _faq(args: argparse.Namespace) -> dict:
-    """`--faq`: accuracy on the generated FAQ set in the chat and string frames; prints and writes faq.md."""
+    """`faq`: accuracy on the generated FAQ set in the chat and string frames; prints and writes faq.md."""
     from .frames import format_faq, run_faq
     from .report import machine
 
@@ -397,7 +431,7 @@ def _faq(args: argparse.Namespace) -> dict:
 
 
 def _breakdown(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--breakdown`: per-layer times and op shares of each engine method; prints and writes them."""
+    """`breakdown`: per-layer times and op shares of each engine method; prints and writes them."""
     from . import breakdown
     from .methods import DEFAULT_RATIOS, parse_methods
     from .report import format_breakdown, machine, write_table
@@ -405,7 +439,7 @@ def _breakdown(args: argparse.Namespace, dataset: Path) -> dict:
     specs = parse_methods(args.methods, args.ratios or DEFAULT_RATIOS, chains=False)
     chains = [s.label for s in specs if s.is_chain]
     if chains:
-        raise ValueError(f"--breakdown times the engine's prefill; chains have no layers: {', '.join(chains)}")
+        raise ValueError(f"breakdown times the engine's prefill; chains have no layers: {', '.join(chains)}")
     args.repeats = 2 if args.repeats is None else args.repeats
     if args.repeats < 1:
         raise ValueError(f"--repeats must be ≥ 1, got {args.repeats}")
@@ -424,7 +458,7 @@ def _breakdown(args: argparse.Namespace, dataset: Path) -> dict:
 
 
 def _decode(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--decode`: ms/token of both decoders per prompt length, and batched steps; prints and writes them."""
+    """`decode`: ms/token of both decoders per prompt length, and batched steps; prints and writes them."""
     from . import decode_bench
     from .report import machine, write_table
 
@@ -441,14 +475,14 @@ def _decode(args: argparse.Namespace, dataset: Path) -> dict:
 
 
 def _serve_load(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--serve-load`: the server under load over HTTP; prints and writes the tables."""
+    """`serve-load`: the server under load over HTTP; prints and writes the tables."""
     from .datasets import load_dataset
     from .load import format_serve_load, run_serve_load
     from .report import machine, write_table
 
     items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
     result = run_serve_load(items, model=args.model, dtype=args.dtype, num_chunks=args.chunks,
-                            concurrency=args.concurrency or 8, num_requests=args.requests,
+                            concurrency=args.concurrency, num_requests=args.requests,
                             max_tokens=args.max_new_tokens)
     table = format_serve_load(result)
     header = (f"{result['requests']} requests from {result['concurrency']} openai SDK clients over loopback HTTP, "
@@ -461,14 +495,12 @@ def _serve_load(args: argparse.Namespace, dataset: Path) -> dict:
 
 
 def _loading(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--loading`: TTFT per KV location and "auto" vs fixed ratios; prints and writes them."""
+    """`loading`: TTFT per KV location and "auto" vs fixed ratios; prints and writes them."""
     import tempfile
 
     from . import loading_bench
     from .report import format_loading, machine, write_table
 
-    if args.methods or args.sweep or args.concurrency:
-        raise ValueError("--loading runs CacheBlend only; drop --methods/--sweep/--concurrency")
     ratio = args.ratios[0] if args.ratios else LOADING_RATIO
     items, engine = _questions_and_engine(args, dataset)
     with tempfile.TemporaryDirectory(prefix="cacheblend-loading-") as tmp:
@@ -487,12 +519,12 @@ def _loading(args: argparse.Namespace, dataset: Path) -> dict:
 
 
 def _trace(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--trace`: every method over the interleaved trace, per corpus mode; prints and writes trace.md/json/png."""
+    """`trace`: every method over the interleaved trace, per corpus mode; prints and writes trace.md/json/png."""
     from . import trace
     from .report import machine
 
-    if args.sweep or args.concurrency or args.chunk_tokens:
-        raise ValueError("--trace runs its own workload; drop --sweep/--concurrency/--chunk-tokens")
+    if args.chunk_tokens:
+        raise ValueError("trace runs its own workload of whole passages; drop --chunk-tokens")
     modes = [m.strip() for m in args.trace_modes.split(",") if m.strip()]
     if not modes or any(m not in trace.MODES for m in modes):
         raise ValueError(f"--trace-modes takes {', '.join(trace.MODES)} (comma-separated), got {args.trace_modes!r}")
@@ -524,13 +556,13 @@ def _trace(args: argparse.Namespace, dataset: Path) -> dict:
         print("wrote " + ", ".join(str(p) for p in paths))
     return {"meta": meta, "results": results}
 def _shared_tier(args: argparse.Namespace, dataset: Path) -> dict:
-    """`--faults` or `--shared-tier`: real replicas and a real redis-server on loopback; prints and writes tables."""
+    """`faults` or `shared-tier`: real replicas and a real redis-server on loopback; prints and writes tables."""
     from .datasets import load_dataset, passages_of
     from .report import machine, write_table
 
     items = [(item["question"], passages_of(item, args.chunks))
              for item in load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)]
-    if args.faults:
+    if args.study == "faults":
         from . import faults
 
         scenarios = faults.SCENARIOS

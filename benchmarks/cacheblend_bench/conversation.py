@@ -1,4 +1,4 @@
-"""`bench --conversation`: multi-turn chats over the same passages, where each turn re-sends the whole history.
+"""`bench conversation`: multi-turn chats over the same passages, where each turn re-sends the whole history.
 
 Per conversation: turn 1 asks the dataset's question over its passages (chat messages); turns 2–4 append the
 answer and a follow-up the bench writes from the passages ("Which passage says so?", "Answer in one word.", ...).
@@ -52,7 +52,7 @@ def run_conversation(engine, items: list[dict], *, num_chunks: int = 6, max_new_
     from cacheblend_rag.engine import CacheBlendEngine
 
     if not engine.prefix_reuse:
-        raise ValueError("bench --conversation needs an engine with prefix_reuse=True for its prefix arm")
+        raise ValueError("bench conversation needs an engine with prefix_reuse=True for its prefix arm")
     plain = CacheBlendEngine(engine.model, engine.tokenizer, kv_store=None, lead_in=engine.lead_in,
                              prefix_reuse=False)
     for item in items:  # untimed: chunk KV stored in both engines, as after ingestion

@@ -1,5 +1,5 @@
 """Loading benchmark (CacheBlend §5): TTFT with KV in memory vs on disk, with and without layer pipelining,
-and recompute_ratio="auto" vs fixed ratios (`cacheblend-rag bench --loading`).
+and recompute_ratio="auto" vs fixed ratios (`cacheblend-rag bench loading`).
 
 The disk runs drop the OS page cache of every KV file before each request
 (posix_fadvise DONTNEED), so each layer is read from the device, not from RAM.

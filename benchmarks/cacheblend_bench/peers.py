@@ -1,4 +1,4 @@
-"""The engines users would pick instead, on `bench --conversation`'s own turns (`--peers kvboost,llama.cpp`).
+"""The engines users would pick instead, on `bench conversation`'s own turns (`--peers kvboost,llama.cpp`).
 
     kvboost     PyPI `kvboost` (chunk-level KV reuse for HF models), its `cacheblend` strategy at the bench's ratio,
                 on the same converted model folder and dtype as the engine; each conversation's passages warmed

@@ -1,5 +1,5 @@
 """Benchmark outputs: the markdown tables, results.json, results.md and the quality-vs-TTFT (and
-quality-vs-ratio) plots; breakdown.md/json and loading.md/json for `--breakdown` and `--loading`."""
+quality-vs-ratio) plots; breakdown.md/json and loading.md/json for `bench breakdown` and `bench loading`."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def format_breakdown(summary: dict[str, dict]) -> str:
 
 
 def format_loading(result: dict) -> str:
-    """Two markdown tables of `--loading`: TTFT per KV location, then "auto" vs fixed ratios; the profiles."""
+    """Two markdown tables of `bench loading`: TTFT per KV location, then "auto" vs fixed ratios; the profiles."""
     lines = ["| KV location | TTFT median (s) | × memory tier | loop waited for KV (median s) |", "|---|---|---|---|"]
     for name, row in result["tiers"].items():
         lines.append(f"| {name} | {row['ttft_median_s']:.3f} | {row['vs_memory']:.3f} | {row['kv_wait_median_s']:.4f} |")
@@ -245,7 +245,7 @@ def _strict(value):
 
 
 def write_table(out: str | Path, name: str, header: str, table: str, payload: dict) -> list[Path]:
-    """`<name>.md` (header and table) and `<name>.json` (strict JSON) under `out`, for --breakdown/--loading."""
+    """`<name>.md` (header and table) and `<name>.json` (strict JSON) under `out`, for the studies."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     md, js = out / f"{name}.md", out / f"{name}.json"

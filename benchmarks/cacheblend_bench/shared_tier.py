@@ -1,4 +1,4 @@
-"""Shared Redis tier timings (`cacheblend-rag bench --shared-tier`):
+"""Shared Redis tier timings (`cacheblend-rag bench shared-tier`):
 
 1. Cross-replica TTFT: engines a and b (each memory → one Redis; two engines on one model stand for two
    replicas); per question a prefills first (computing and storing the chunks), then b twice: its first prefill
