@@ -390,6 +390,24 @@ def test_bench_conversation_end_to_end(tmp_path, one_thread):
     assert "| 4 | 1 |" in (out / "conversation.md").read_text()
 
 
+@pytest.mark.model
+def test_bench_agent_end_to_end(tmp_path, one_thread):
+    """`bench agent`: step 1's forced call is well formed; step 2 starts from step 1's stored prompt and call and
+    finds every passage of the tool's result as a stored chunk; both decoders' ms/token are measured."""
+    from conftest import musique_path
+
+    out = tmp_path / "out"
+    assert cli_main(["bench", "agent", str(musique_path()), "--limit", "1", "--chunks", "2", "--dtype", "float32",
+                     "--max-new-tokens", "32", "--out", str(out), "-q"]) == 0
+    result = json.loads((out / "agent.json").read_text())
+    first, second = sorted(result["records"], key=lambda r: r["step"])
+    assert first["tool_choice"] == "required" and first["called"] and first["finish_reason"] == "stop"
+    assert second["chunk_hits"] == 2 and second["prefix_rows"] >= first["num_tokens"] - 16
+    assert second["chunk_rows"] > 0 and second["computed_rows"] < second["num_tokens"] // 4
+    assert all(v is not None for r in result["records"] for v in r["ms_per_token"].values())
+    assert "| 1 | required | 1 |" in (out / "agent.md").read_text()
+
+
 def test_bench_peers_are_named(tmp_path):
     """`conversation --peers` takes only the peers it knows."""
     from cacheblend_bench.peers import parse_peers
