@@ -3,6 +3,7 @@ with the same tokens (a conversation's next turn, an agent's next step); misses 
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -105,7 +106,7 @@ def test_prefix_reuse_off_keeps_nothing(tokenizer):
     assert not engine.prefix_reuse and engine.prefill_prompt(text).stats["num_prefix_rows"] == 0
 
 
-def test_an_evicted_prefix_is_a_miss_and_the_request_is_computed(tokenizer):
+def test_an_evicted_prefix_is_a_miss_and_the_request_is_computed(tokenizer, caplog):
     prefixes = MemoryStore()
     engine = _tiny_engine(tokenizer, prefix_store=prefixes)
     _, text = _turn_two(engine, "full_prefill")
@@ -114,8 +115,11 @@ def test_an_evicted_prefix_is_a_miss_and_the_request_is_computed(tokenizer):
     missed = engine.prefill_prompt(text, "full_reuse")
     assert missed.stats["num_prefix_rows"] == 0 and missed.stats["chunk_hits"]
     small = _tiny_engine(tokenizer, prefix_store=MemoryStore(max_bytes=1024))  # nothing fits its budget
-    _, text = _turn_two(small, "full_prefill")
-    assert small.prefill_prompt(text).stats["num_prefix_rows"] == 0
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag"):
+        _, text = _turn_two(small, "full_prefill")
+        assert small.prefill_prompt(text).stats["num_prefix_rows"] == 0
+    said = [r.getMessage() for r in caplog.records if "larger than the prefix store's budget" in r.getMessage()]
+    assert len(said) == 1 and "0.0 MiB" in said[0]  # said once, naming the budget
 
 
 def test_another_process_finds_a_prefix_on_disk_and_a_corrupt_one_is_a_miss(tokenizer, tmp_path):

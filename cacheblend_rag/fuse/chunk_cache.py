@@ -95,6 +95,7 @@ class ChunkCache:
         self.prefix_store = store if prefix_store is None else prefix_store  # where stored prefixes live
         self._prefix_index: OrderedDict[str, str] = OrderedDict()  # block hash → name of an entry holding it
         self._prefix_entries: OrderedDict[str, int] = OrderedDict()  # entries this process stored → their blocks
+        self._warned_prefix_size = False  # a prefix larger than its store's budget is reported once
 
     def namespace_for(self, lead_in_ids: Sequence[int]) -> str:
         """Fingerprint of model, tokenizer and lead-in: every KV it names was computed under all three."""
@@ -249,6 +250,12 @@ class ChunkCache:
         )
         self._put(self._prefix_key(hashes[-1]), kv, best_effort=True, store=self.prefix_store)
         if self._write_failed or not self.prefix_store.contains(self._prefix_key(hashes[-1])):
+            budget = self.prefix_store.stats().get("max_bytes")
+            if not self._write_failed and not self._warned_prefix_size and budget is not None and kv.nbytes > budget:
+                logger.warning("a stored prefix of %d tokens (%.1f MiB) is larger than the prefix store's budget "
+                               "(%.1f MiB), so it was not kept and the next turn recomputes it; give the engine a "
+                               "larger prefix_store (said once)", rows, kv.nbytes / 2**20, budget / 2**20)
+                self._warned_prefix_size = True
             return 0  # not kept (a failing store; an entry larger than the budget): the older entries stay
         for h in hashes[:-1]:  # a shorter entry of the same chain: the new one holds it (the index moves below)
             if self._prefix_entries.pop("pfx-" + h, None) is not None:
