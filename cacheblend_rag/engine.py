@@ -359,44 +359,20 @@ class CacheBlendEngine:
             )
         return FusionRequest(resolved, layout)
 
-    def prefill(
-        self,
-        chunks: str | Sequence[str | Chunk],
-        question: str,
-        method: str | Policy = "cacheblend",
-        recompute_ratio: float | str | None = None,
-        *,
-        template: PromptTemplate | None = None,
-        store_holes: bool = True,
-        history: Sequence[dict] = (),
-        **policy_options,
-    ) -> Prefill:
-        """Fused prefill of [prefix][chunks][question]; `method` names the token-selection policy.
+    def prefill(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
+                recompute_ratio: float | str | None = None, *, store_holes: bool = True, **options) -> Prefill:
+        """Fused prefill of [prefix][chunks][question]; `method` names the token-selection policy. Keywords as
+        `Request.of` (the policy's options, `history=` earlier turns, `template=`); holes as `prefill_request`."""
+        return self.prefill_request(Request.of(chunks, question, method, recompute_ratio, **options),
+                                    store_holes=store_holes)
 
-        `history`: the conversation's earlier turns as `{"role", "content"}` messages; the chunks stay in its
-        first user turn, so a follow-up's prompt starts with the previous turn's prompt and answer (a stored
-        prefix). Holes are stored as `prefill_request` says.
-        """
-        request = Request.of(chunks, question, method, recompute_ratio, template=template, history=history,
-                             **policy_options)
-        return self.prefill_request(request, store_holes=store_holes)
-
-    def prefill_prompt(
-        self,
-        prompt: Prompt,
-        method: str | Policy = "cacheblend",
-        recompute_ratio: float | str | None = None,
-        *,
-        store_holes: bool = True,
-        **policy_options,
-    ) -> Prefill:
-        """Fused prefill of any prompt: every ingested chunk whose text appears in it verbatim is fused from its
-        cached KV; the text around the chunks (the user's template, system prompt, question) is computed.
-
-        `prompt` is a string (tokenized as is) or chat messages (rendered with the model's chat template).
-        """
-        request = Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio, **policy_options)
-        return self.prefill_request(request, store_holes=store_holes)
+    def prefill_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
+                       recompute_ratio: float | str | None = None, *, store_holes: bool = True, **options) -> Prefill:
+        """Fused prefill of any prompt (a string, tokenized as is, or chat messages, rendered with the model's chat
+        template): every ingested chunk whose text appears in it verbatim is fused from its cached KV; the text
+        around the chunks is computed."""
+        return self.prefill_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
+                                               **options), store_holes=store_holes)
 
     def _prompt_request(self, prompt: str | Sequence[dict]) -> FusionRequest:
         """The prompt tokenized once, as the model would tokenize it, and the stored chunks found in it, each
@@ -492,76 +468,42 @@ class CacheBlendEngine:
                                             first_logits=pre.logits)
         return seq, pre.stats
 
-    def generate(
-        self,
-        chunks: str | Sequence[str | Chunk],
-        question: str,
-        method: str | Policy = "cacheblend",
-        recompute_ratio: float | str | None = None,
-        *,
-        sampling: SamplingOptions | None = None,
-        template: PromptTemplate | None = None,
-        history: Sequence[dict] = (),
-        **options,
-    ) -> Generation:
-        """Fused prefill, then decode: greedy by default; `max_new_tokens` (or `max_tokens`), `temperature`,
-        `top_p`, `stop`, `seed` as keywords or one `sampling=` object; other keywords are the policy's options."""
-        return self.generate_request(Request.of(chunks, question, method, recompute_ratio, template=template,
-                                                history=history, sampling=sampling, **options))
+    def generate(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
+                 recompute_ratio: float | str | None = None, **options) -> Generation:
+        """Fused prefill, then decode: greedy by default. Keywords as `Request.of`: `max_new_tokens` (or
+        `max_tokens`), `temperature`, `top_p`, `stop`, `seed`, `grammar` or one `sampling=`; the policy's options;
+        `history=` (the conversation's earlier turns), `template=`."""
+        return self.generate_request(Request.of(chunks, question, method, recompute_ratio, **options))
 
-    def stream(
-        self,
-        chunks: str | Sequence[str | Chunk],
-        question: str,
-        method: str | Policy = "cacheblend",
-        recompute_ratio: float | str | None = None,
-        *,
-        sampling: SamplingOptions | None = None,
-        template: PromptTemplate | None = None,
-        stats: dict | None = None,
-        history: Sequence[dict] = (),
-        **options,
-    ) -> Generator[str, None, None]:
+    def stream(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
+               recompute_ratio: float | str | None = None, *, stats: dict | None = None,
+               **options) -> Generator[str, None, None]:
         """`generate`, yielding text pieces as they are decoded (see `stream_request`)."""
-        return self.stream_request(Request.of(chunks, question, method, recompute_ratio, template=template,
-                                              history=history, sampling=sampling, **options), stats)
+        return self.stream_request(Request.of(chunks, question, method, recompute_ratio, **options), stats)
 
-    def start(
-        self,
-        chunks: str | Sequence[str | Chunk],
-        question: str,
-        method: str | Policy = "cacheblend",
-        recompute_ratio: float | str | None = None,
-        *,
-        sampling: SamplingOptions | None = None,
-        template: PromptTemplate | None = None,
-        history: Sequence[dict] = (),
-        **options,
-    ) -> tuple[KVSequence, RequestStats]:
+    def start(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
+              recompute_ratio: float | str | None = None, **options) -> tuple[KVSequence, RequestStats]:
         """`generate`'s prefill, then a sequence to decode with `advance` (see `start_request`)."""
-        return self.start_request(Request.of(chunks, question, method, recompute_ratio, template=template,
-                                             history=history, sampling=sampling, **options))
+        return self.start_request(Request.of(chunks, question, method, recompute_ratio, **options))
 
     def generate_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
-                        recompute_ratio: float | str | None = None, *, sampling: SamplingOptions | None = None,
-                        **options) -> Generation:
+                        recompute_ratio: float | str | None = None, **options) -> Generation:
         """`generate` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
         return self.generate_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
-                                                sampling=sampling, **options))
+                                                **options))
 
     def stream_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
-                      recompute_ratio: float | str | None = None, *, sampling: SamplingOptions | None = None,
-                      stats: dict | None = None, **options) -> Generator[str, None, None]:
+                      recompute_ratio: float | str | None = None, *, stats: dict | None = None,
+                      **options) -> Generator[str, None, None]:
         """`stream` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
         return self.stream_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
-                                              sampling=sampling, **options), stats)
+                                              **options), stats)
 
     def start_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
-                     recompute_ratio: float | str | None = None, *, sampling: SamplingOptions | None = None,
-                     **options) -> tuple[KVSequence, RequestStats]:
+                     recompute_ratio: float | str | None = None, **options) -> tuple[KVSequence, RequestStats]:
         """`start` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
         return self.start_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
-                                             sampling=sampling, **options))
+                                             **options))
 
     def advance(self, sequences: Sequence[KVSequence]) -> list[str]:
         """One decode step for every sequence at once (each must be unfinished): the text piece each hands out
