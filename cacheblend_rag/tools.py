@@ -12,7 +12,8 @@ The format (documented in docs/integrations.md), in plain chat messages any temp
 
 `tool_choice`: "auto" (a call or a plain answer that does not start with "<"), "required" (alias "any": a call),
 a tool's name (a call to that tool), "none" (plain text that does not start with "<"; the tools stay listed, in
-the same system text whatever the choice, so an agent's steps share their prompt's start). One call per answer.
+the same system text whatever the choice, so an agent's steps share their prompt's start). One call per answer,
+or with `parallel=True` (OpenAI's `parallel_tool_calls`) one or more, a call per line.
 """
 
 from __future__ import annotations
@@ -98,21 +99,22 @@ def call_schema(functions: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def tool_grammar(functions: Sequence[dict[str, Any]], choice: str,
-                 answer: dict[str, Any] | None = None) -> Grammar | None:
-    """The grammar for an answer under `choice`: a call, or a call or plain text ("auto"); None for "none".
+                 answer: dict[str, Any] | None = None, parallel: bool = False) -> Grammar | None:
+    """The grammar for an answer under `choice`: a call, or a call or plain text ("auto"); for "none", plain text.
     `answer`: a JSON schema the plain answer must match instead ("auto" with a response format: a call or that
-    JSON, which starts with "{" and so can never be a malformed call)."""
+    JSON, which starts with "{" and so can never be a malformed call). `parallel`: one or more calls, a line each."""
     if choice == "none":  # plain text that cannot start a call (or the response format's JSON)
         return Grammar.lark(f"start: {PLAIN_TEXT}\n") if answer is None else Grammar.json_schema(answer)
     targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
     # JSON embedded in Lark gets the same spacing options as a plain schema: without them whitespace is free
     # inside a call, and SmolLM2 emitted newlines after `"arguments": {` until max_tokens
     call = f'call: "{TOOL_OPEN}" %json {json.dumps(with_json_options(call_schema(targets)))} "{TOOL_CLOSE}"'
+    calls = f'calls: call ("\\n" call)*\n{call}' if parallel else f"calls: call\n{call}"
     if choice == "auto" and answer is not None:
-        return Grammar.lark(f"start: call | answer\n{call}\nanswer: %json {json.dumps(with_json_options(answer))}\n")
+        return Grammar.lark(f"start: calls | answer\n{calls}\nanswer: %json {json.dumps(with_json_options(answer))}\n")
     if choice == "auto":  # plain text may not start with "<", so it can never be a malformed call
-        return Grammar.lark(f"start: call | text\n{call}\ntext: {PLAIN_TEXT}\n")
-    return Grammar.lark(f"start: call\n{call}\n")
+        return Grammar.lark(f"start: calls | text\n{calls}\ntext: {PLAIN_TEXT}\n")
+    return Grammar.lark(f"start: calls\n{calls}\n")
 
 
 def response_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -144,11 +146,13 @@ def response_grammar(response_format: dict[str, Any] | None) -> Grammar | None:
     return Grammar.json_object() if schema == {"type": "object"} else Grammar.json_schema(schema)
 
 
-def tools_prompt(functions: Sequence[dict[str, Any]]) -> str:
-    """The system text that lists the tools and the call format."""
+def tools_prompt(functions: Sequence[dict[str, Any]], parallel: bool = False) -> str:
+    """The system text that lists the tools and the call format (`parallel`: several calls, one per line)."""
     listed = "\n".join(json.dumps(fn) for fn in functions)
     how = (f'To call a tool, answer with only {TOOL_OPEN}{{"name": <tool name>, "arguments": <JSON object>}}'
            f"{TOOL_CLOSE}. A tool's result comes back as {RESULT_OPEN}...{RESULT_CLOSE}.")
+    if parallel:
+        how += " To call several tools at once, write one call per line."
     # One text whatever the choice (the grammar enforces it): an agent loop that forces its first call, leaves
     # the next to the model or forbids one keeps the same system text, so each step's prompt starts with the
     # previous one's and reuses its stored prefix
@@ -156,10 +160,10 @@ def tools_prompt(functions: Sequence[dict[str, Any]]) -> str:
     return f"You have these tools:\n<tools>\n{listed}\n</tools>\n{how}\n{rule}"
 
 
-def with_tools_prompt(messages: Sequence[dict[str, str]], functions: Sequence[dict[str, Any]]
-                      ) -> list[dict[str, str]]:
+def with_tools_prompt(messages: Sequence[dict[str, str]], functions: Sequence[dict[str, Any]],
+                      parallel: bool = False) -> list[dict[str, str]]:
     """The chat messages with the tools' system text added to the system message (or a new one first)."""
-    return with_system_text(messages, tools_prompt(functions))
+    return with_system_text(messages, tools_prompt(functions, parallel))
 
 
 def schema_prompt(schema: dict[str, Any]) -> str:

@@ -138,6 +138,24 @@ def test_streamed_call_accumulates_to_the_same_call(client):
 
 
 @real_model
+def test_parallel_tool_calls_give_one_call_per_city_streamed_with_their_indexes(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris and in London?"}]
+    kw = dict(tools=[WEATHER], tool_choice="required", max_tokens=80)
+    one = _chat(client, ask, **kw).choices[0]  # parallel_tool_calls unset: one call
+    assert len(one.message.tool_calls) == 1
+    both = _chat(client, ask, parallel_tool_calls=True, **kw).choices[0]
+    assert both.finish_reason == "tool_calls" and both.message.content is None
+    assert [_valid_call(c)["city"] for c in both.message.tool_calls] == ["Paris", "London"]
+    assert len({c.id for c in both.message.tool_calls}) == 2
+
+    with client.chat.completions.stream(model=MODEL, messages=ask, parallel_tool_calls=True, **kw) as stream:
+        final = stream.get_final_completion()  # the SDK accumulates the deltas by their index
+    streamed = final.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in both.message.tool_calls]
+
+
+@real_model
 def test_tool_result_in_history_is_accepted_and_answered_in_text(client):
     first = _chat(client, tools=[WEATHER], tool_choice="required").choices[0].message
     call = first.tool_calls[0]
@@ -266,6 +284,38 @@ def test_call_stream_sends_header_then_argument_pieces(size):
     assert json.loads(arguments) == {"city": {"name": "Paris"}, "unit": "celsius"}
     if size < len(CALL):
         assert len(calls) > 2  # pieces went out before the answer ended
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_call_stream_sends_parallel_calls_with_their_own_index(size):
+    from cacheblend_rag.tools import render_call
+
+    text = (render_call("get_weather", {"city": "Oslo </tool_call> x"}) + "\n"
+            + render_call("get_weather", {"city": "Bergen", "unit": "celsius"}) + "\nThat is all.")
+    stream = CallStream([WEATHER["function"]])
+    deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.finish()
+    calls: dict[int, str] = {}
+    for delta in deltas:
+        for c in delta.get("tool_calls", ()):
+            calls[c["index"]] = calls.get(c["index"], "") + c["function"]["arguments"]
+    assert {i: json.loads(a) for i, a in calls.items()} == {0: {"city": "Oslo </tool_call> x"},
+                                                            1: {"city": "Bergen", "unit": "celsius"}}
+    assert "".join(d.get("content", "") for d in deltas) == "That is all." and stream.calls == 2
+
+
+def test_the_parallel_grammar_takes_calls_a_line_each_and_the_single_one_takes_one(tokenizer):
+    from cacheblend_rag.decode.grammar import GrammarCompiler
+    from cacheblend_rag.tools import functions_of, render_call, tool_grammar
+
+    functions = functions_of([WEATHER])
+    one = render_call("get_weather", {"city": "Oslo"})
+    compiler = GrammarCompiler(tokenizer)
+    for choice in ("required", "auto"):
+        single, parallel = (tool_grammar(functions, choice, parallel=p) for p in (False, True))
+        for text, single_ok, parallel_ok in ((one, True, True), (one + "\n" + one, False, True),
+                                             (one + one, False, False)):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert compiler.check(single, ids)[0] is single_ok and compiler.check(parallel, ids)[0] is parallel_ok
 
 
 def test_call_stream_text_and_odd_shapes():

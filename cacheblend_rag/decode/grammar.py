@@ -214,6 +214,8 @@ class GrammarState:
         self._words = torch.full(((tokenizer_vocab + 31) // 32,), -1, dtype=torch.int32)
         self._estimate = 0  # tokens a closing walk needed at the last check
         self._since_check = RECHECK_EVERY  # check at the first step
+        self._was_satisfied = False  # whether the last step's text was a complete match
+        self._ending = False  # complete, and too few tokens left to complete anything longer: only EOS
 
     @property
     def satisfied(self) -> bool:
@@ -257,10 +259,11 @@ class GrammarState:
                 return chosen
         return allowed
 
-    def steps_to_complete(self, limit: int, width: int) -> int:
+    def steps_to_complete(self, limit: int, width: int, matcher=None) -> int:
         """Tokens a closing walk (the shortest of the tokens that close most directly) needs until the text is a
         complete match; `limit + 1` when it needs more. Runs on copies: the matcher itself does not move."""
-        walk, scan = self.matcher.deep_copy(), StringScan(self.scan.in_string, self.scan.escaped)
+        walk = (self.matcher if matcher is None else matcher).deep_copy()
+        scan = StringScan(self.scan.in_string, self.scan.escaped)
         for steps in range(limit + 1):
             if walk.is_accepting():
                 return steps
@@ -272,11 +275,36 @@ class GrammarState:
             scan.push(self.leads.texts[token_id])
         return limit + 1
 
+    def steps_to_continue(self, limit: int, width: int) -> int:
+        """From a complete match: tokens the shortest continuation (one more token, then a closing walk) needs to
+        be complete again (1 for free text; a whole call for parallel calls); 0 when only ending is allowed."""
+        allowed = self.allowed(width)
+        allowed[self.eos] = False
+        allowed = allowed[: self.leads.lengths.size]
+        if not allowed.any():
+            return 0
+        walk = self.matcher.deep_copy()
+        walk.consume_token(int(np.argmin(np.where(allowed, self.leads.lengths[: allowed.size], np.iinfo(np.int32).max))))
+        return 1 + self.steps_to_complete(limit, width, walk)
+
     def update_closing(self, tokens_left: int, width: int) -> bool:
         """Whether this step must close: the text is not yet complete and the tokens left barely cover a closing
-        walk. Estimated every RECHECK_EVERY steps, and at every step once the budget nears the estimate."""
-        if self.closing or self.leads is None or self.satisfied:
+        walk. Estimated every RECHECK_EVERY steps, at every step once the budget nears the estimate, and at once
+        when the text stops being a complete match. A complete match that could only continue into text the budget
+        cannot complete (another parallel call) ends here (`_ending`: only EOS)."""
+        if self.closing or self.leads is None:
             return self.closing
+        if self.satisfied:
+            self._since_check += 1
+            if not self._was_satisfied or self._since_check >= RECHECK_EVERY or tokens_left <= self._estimate + 2 * CLOSE_MARGIN:
+                self._estimate = self.steps_to_continue(tokens_left, width)
+                self._since_check = 0
+            self._was_satisfied = True
+            # free text continues one token at a time (never cut short); a longer unit needs its closing margin
+            self._ending = tokens_left < self._estimate + (CLOSE_MARGIN if self._estimate > 1 else 0)
+            return False
+        if self._was_satisfied:  # a new unit began (another call): estimate it now, not RECHECK_EVERY steps later
+            self._since_check, self._was_satisfied = RECHECK_EVERY, False
         self._since_check += 1
         if self._since_check >= RECHECK_EVERY or tokens_left <= self._estimate + 2 * CLOSE_MARGIN:
             self._estimate = self.steps_to_complete(tokens_left, width)
@@ -296,6 +324,9 @@ class GrammarState:
         allowed = self.allowed(width)
         if closing:
             allowed = self._closing(allowed, self.scan)
+        elif tokens_left is not None and self._ending:
+            allowed = np.zeros_like(allowed)
+            allowed[self.eos] = True
         np.putmask(values, ~allowed, -np.inf)
         return torch.from_numpy(values).to(logits.device)
 

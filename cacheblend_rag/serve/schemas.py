@@ -311,7 +311,7 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # one call per answer either way (docs/serve.md)
+    parallel_tool_calls: bool | None = None  # true: one or more calls per answer; else one (docs/serve.md)
     response_format: ResponseFormat | None = None
 
     def new_tokens(self, default: int) -> int:

@@ -75,11 +75,12 @@ def plan_chat(body: ChatCompletionRequest) -> ChatPlan:
             body.response_format.as_dict()))
     functions = generic_tools.functions_of(tools)
     choice = generic_tools.normalize_choice(body.tool_choice, [f["name"] for f in functions])
-    text = generic_tools.tools_prompt(functions)
+    parallel = bool(body.parallel_tool_calls)  # asked for: a small model left free repeats its call
+    text = generic_tools.tools_prompt(functions, parallel)
     if answer is not None and choice in ("auto", "none"):
         text += "\n" + (generic_tools.schema_prompt(answer) if body.response_format.type == "json_schema"
                         else "Otherwise answer with only a JSON object.")
-    grammar = generic_tools.tool_grammar(functions, choice, answer)
+    grammar = generic_tools.tool_grammar(functions, choice, answer, parallel)
     return ChatPlan(generic_tools.with_system_text(messages, text), text, grammar,
                     [] if choice == "none" else functions)
 
@@ -103,6 +104,8 @@ def answer_message(text: str, finish_reason: str, functions: Sequence[dict[str, 
 # `<tool_call>{"name": "NAME", "arguments": ` — the grammar writes the call's keys in its schema's order
 _HEAD = re.compile(r'\s*' + re.escape(generic_tools.TOOL_OPEN) + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,'
                    r'\s*"arguments"\s*:\s*')
+_DECODER = json.JSONDecoder()
+_CLOSING = re.compile(r'\s*\}\s*' + re.escape(generic_tools.TOOL_CLOSE))
 _TAIL = re.compile(r'\}\s*' + re.escape(generic_tools.TOOL_CLOSE) + r'\s*$')
 
 
@@ -112,8 +115,9 @@ class CallStream:
 
     Text that is, or may still become, a call is held back; once `<tool_call>{"name": ..., "arguments": ` is
     complete the call's header goes out, then its arguments' text except a tail that may be the call's closing
-    `}</tool_call>`. A call whose text does not match that shape goes out whole at the end, or as content when it
-    is not a well-formed call (cut by max_tokens)."""
+    `}</tool_call>`; once its arguments close, what follows may be the next call (parallel calls, index 1, 2, ...).
+    A call whose text does not match that shape goes out whole at the end, or as content when it is not a
+    well-formed call (cut by max_tokens)."""
 
     def __init__(self, functions: Sequence[dict[str, Any]]) -> None:
         self.functions = list(functions)
@@ -125,12 +129,21 @@ class CallStream:
 
     def _header(self, name: str, arguments: str = "") -> dict:
         self.calls += 1
-        return {"tool_calls": [{"index": 0, "id": _call_id(), "type": "function",
+        return {"tool_calls": [{"index": self.calls - 1, "id": _call_id(), "type": "function",
                                 "function": {"name": name, "arguments": arguments}}]}
 
-    @staticmethod
-    def _arguments(piece: str) -> dict:
-        return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+    def _arguments(self, piece: str) -> dict:
+        return {"tool_calls": [{"index": self.calls - 1, "function": {"arguments": piece}}]}
+
+    def _call_end(self) -> tuple[int, int] | None:
+        """(where the streamed call's arguments end, where its closing tag ends) in `text`, once both are there."""
+        args = self.text[self.args_start:]
+        try:
+            _, end = _DECODER.raw_decode(args, len(args) - len(args.lstrip()))
+        except json.JSONDecodeError:
+            return None
+        closing = _CLOSING.match(args, end)
+        return None if closing is None else (self.args_start + end, self.args_start + closing.end())
 
     def feed(self, piece: str) -> list[dict]:
         """The deltas this piece releases."""
@@ -154,8 +167,19 @@ class CallStream:
             if name not in {f["name"] for f in self.functions}:
                 return []  # left to the final parse
             self.mode, self.args_start = "args", head.end()
-            return [self._header(name), *self._release(final=False)]
-        return self._release(final=False)
+            return [self._header(name), *self._after_args()]
+        return self._after_args()
+
+    def _after_args(self) -> list[dict]:
+        """The arguments' text released so far; a complete call hands what follows it to the next one."""
+        end = self._call_end()
+        if end is None:
+            return self._release(final=False)
+        args_end, call_end = end
+        out = [self._arguments(self.text[self.args_start + self.sent:args_end])] \
+            if args_end > self.args_start + self.sent else []
+        self.text, self.mode, self.sent = self.text[call_end:], "undecided", 0
+        return out + self.feed("")
 
     def _release(self, final: bool) -> list[dict]:
         args = self.text[self.args_start:]
@@ -184,11 +208,7 @@ class CallStream:
         if not calls:
             self.mode = "text"
             return [{"content": self.text.strip()}]
-        out = []
-        for i, call in enumerate(calls):  # the grammar allows one; parse_tool_calls may find more
-            delta = self._header(call.name, json.dumps(call.arguments))
-            delta["tool_calls"][0]["index"] = i
-            out.append(delta)
+        out = [self._header(call.name, json.dumps(call.arguments)) for call in calls]
         if content.strip():
             out.append({"content": content.strip()})
         return out

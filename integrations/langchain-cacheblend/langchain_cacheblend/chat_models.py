@@ -218,8 +218,9 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         functions = generic_tools.functions_of(kwargs.get("tools") or [])
         if functions:
             choice = generic_tools.normalize_choice(kwargs.get("tool_choice"), [f["name"] for f in functions])
-            chat = generic_tools.with_tools_prompt(chat, functions)
-            settings["grammar"] = generic_tools.tool_grammar(functions, choice)
+            parallel = bool(kwargs.get("parallel_tool_calls"))  # bind_tools(..., parallel_tool_calls=True)
+            chat = generic_tools.with_tools_prompt(chat, functions, parallel)
+            settings["grammar"] = generic_tools.tool_grammar(functions, choice, parallel=parallel)
             if choice == "none":
                 functions = []  # nothing to parse: the answer is plain text
         return chat, settings, functions

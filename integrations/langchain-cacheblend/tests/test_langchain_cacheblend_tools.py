@@ -94,6 +94,23 @@ def test_a_forced_tool_call_invoked_and_streamed(chat):
     assert [(c["name"], c["args"]) for c in full.tool_calls] == [("magic_function", {"input": 3})]
 
 
+@tool
+def get_weather(city: str) -> str:
+    """The current weather in a city."""
+    return f"sunny in {city}"
+
+
+def test_parallel_tool_calls_when_bound_with_them(chat):
+    query = "What is the weather in Paris and in London?"
+    one = chat.bind_tools([get_weather], tool_choice="any").invoke(query, max_tokens=80)
+    assert len(one.tool_calls) == 1
+    bound = chat.bind_tools([get_weather], tool_choice="any", parallel_tool_calls=True)
+    both = bound.invoke(query, max_tokens=80)
+    assert [(c["name"], c["args"]) for c in both.tool_calls] == [("get_weather", {"city": "Paris"}),
+                                                                  ("get_weather", {"city": "London"})]
+    assert len({c["id"] for c in both.tool_calls}) == 2 and both.content == ""
+
+
 def test_tool_results_go_back_into_the_prompt_and_none_forbids_a_call(chat):
     bound = chat.bind_tools([magic_function])
     call = bound.bind(tool_choice="magic_function").invoke("What is magic_function(3)?")

@@ -59,6 +59,22 @@ def test_a_required_call_is_well_formed_and_runs(llm):
     assert out.response == str(a * b)
 
 
+def weather(city: str) -> str:
+    """The current weather in a city."""
+    return f"sunny in {city}"
+
+
+def test_parallel_calls_are_allowed_when_asked_and_each_runs(li_engine):
+    llm = CacheBlendLLM(engine=li_engine, max_new_tokens=80)
+    tool = FunctionTool.from_defaults(weather)
+    ask = "What is the weather in Paris and in London?"
+    single = llm.chat_with_tools([tool], user_msg=ask, tool_required=True)
+    assert len(llm.get_tool_calls_from_response(single)) == 1
+    out = llm.predict_and_call([tool], user_msg=ask, tool_required=True, allow_parallel_tool_calls=True)
+    assert [s.raw_input["kwargs"]["city"] for s in out.sources] == ["Paris", "London"]
+    assert [s.content for s in out.sources] == ["sunny in Paris", "sunny in London"]
+
+
 def test_no_call_is_an_error_only_when_one_was_expected(llm):
     response = llm.chat_with_tools([FunctionTool.from_defaults(multiply)], user_msg="Say hello.", tool_choice="none")
     assert response.message.content and not response.message.additional_kwargs.get("tool_calls")

@@ -427,15 +427,16 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     def _tool_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
                       ) -> tuple[list[dict[str, str]], dict[str, Any], list[dict[str, Any]]]:
         """(chat messages, call kwargs, bound functions): with `tools`, their system text is added and the grammar
-        forces a call or a plain answer as `tool_choice` says."""
+        forces a call or a plain answer as `tool_choice` says (`parallel_tool_calls`: one or more calls)."""
         kwargs = dict(kwargs)
         tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
+        parallel = bool(kwargs.pop("parallel_tool_calls", False))
         chat = to_chat_messages(messages)
         functions = generic_tools.functions_of(tools or [])
         if functions:
             choice = generic_tools.normalize_choice(choice, [f["name"] for f in functions])
-            chat = generic_tools.with_tools_prompt(chat, functions)
-            kwargs["grammar"] = generic_tools.tool_grammar(functions, choice)
+            chat = generic_tools.with_tools_prompt(chat, functions, parallel)
+            kwargs["grammar"] = generic_tools.tool_grammar(functions, choice, parallel=parallel)
             if choice == "none":
                 functions = []  # nothing to parse: the answer is plain text
         return chat, kwargs, functions
@@ -490,14 +491,15 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         **kwargs: Any,
     ) -> dict[str, Any]:
         """The `chat` kwargs of a tool-calling turn: the history, the user's message, the tools as OpenAI specs;
-        `tool_required` forces a call, else `tool_choice` (default "auto"). One call per answer."""
+        `tool_required` forces a call, else `tool_choice` (default "auto"); `allow_parallel_tool_calls`: one or
+        more calls per answer (else one)."""
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(user_msg if isinstance(user_msg, ChatMessage)
                             else ChatMessage(role=MessageRole.USER, content=user_msg))
         specs = [tool.metadata.to_openai_tool() for tool in tools]
         return {"messages": messages, "tools": specs, "tool_choice": "required" if tool_required
-                else (tool_choice or "auto"), **kwargs}
+                else (tool_choice or "auto"), "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> list[ToolSelection]:
