@@ -13,7 +13,7 @@
     cacheblend-rag bench --faults --limit 4 --chunks 3 --max-new-tokens 8   # 2 replicas + Redis under faults
     cacheblend-rag bench --shared-tier --limit 9                             # Redis hit vs memory hit; codecs at 1 Gbit/s
     cacheblend-rag bench --frames --limit 20 --dtype bfloat16                # KL vs the model's own forward, per frame
-    cacheblend-rag bench --faq --limit 40 --k 4 --max-new-tokens 16         # answer accuracy on made-up FAQ chunks
+    cacheblend-rag bench --faq --limit 40 --k 3                             # answer accuracy on made-up FAQ chunks
     cacheblend-rag bench --conversation --limit 10 --dtype bfloat16          # 4-turn chats: stored prefixes vs not
     cacheblend-rag bench --conversation --rss --limit 100 --prefix-budget-mb 64   # prefix tier bytes and RSS
     cacheblend-rag bench --agent --limit 10 --dtype bfloat16                 # retrieval agent: steps, constrained cost

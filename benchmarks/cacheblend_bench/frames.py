@@ -135,7 +135,7 @@ def format_frames(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_faq(engine, *, num_questions: int = 40, k: int = 4, seed: int = 0, max_new_tokens: int = 16,
+def run_faq(engine, *, num_questions: int = 40, k: int = 4, seed: int = 0, max_new_tokens: int = 32,
             methods: tuple[tuple[str, float | None], ...] = FRAME_METHODS, show_progress: bool = True) -> dict:
     """The FAQ answer-correctness set in the chat and string frames: accuracy per frame and method."""
     questions = faq_set(num_questions, k=k, seed=seed)
