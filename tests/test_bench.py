@@ -345,6 +345,17 @@ def test_faq_set_is_seeded_and_each_answer_is_in_one_chunk():
     assert correct("It was founded by mira okafor!", "Mira Okafor") and not correct("Mira Novak", "Mira Okafor")
 
 
+def test_first_token_entropy_is_high_when_flat_and_low_when_peaked():
+    import math
+
+    import torch
+
+    from cacheblend_bench.frames import entropy
+
+    assert entropy(torch.zeros(8)) == pytest.approx(math.log(8), abs=1e-6)
+    assert entropy(torch.tensor([20.0, 0.0, 0.0, 0.0])) < 1e-6
+
+
 def test_faq_scores_whole_words_of_the_first_line_only():
     """A quantity's digits inside a longer number, or a fact the completion runs on to after its answer line,
     is not the answer."""
@@ -373,6 +384,8 @@ def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
         assert rows[(frame, "full_prefill")]["kl_vs_model"] < 1e-4
         assert rows[(frame, "cacheblend@0.15")]["chunk_hits"] == 3  # every frame's prompt found its chunks
         assert rows[(frame, "full_reuse")]["kl_vs_model"] > rows[(frame, "full_prefill")]["kl_vs_model"]
+        entropies = {rows[(frame, m)]["reference_entropy"] for m in ("full_prefill", "full_reuse")}
+        assert len(entropies) == 1 and entropies.pop() > 0  # the frame's own forward, once for every method
     assert cli_main(["bench", "--faq", "--limit", "2", "--k", "3", "--dtype", "float32", "--max-new-tokens", "8",
                      "--out", str(out), "-q"]) == 0
     faq = json.loads((out / "faq.json").read_text())

@@ -4,7 +4,8 @@ MuSiQue's gold F1 is ~0.04 for every method on a 135M model, so it cannot show a
 Here every fact is invented (no model knows it), each question's answer is one fact stated in one chunk, and the
 prompt carries that chunk among `k` others about other products, in the user's own wording. Accuracy is whether
 the answer's first line states the fact (whole words; the rest of a completion that runs on is not its answer),
-within a budget that fits a one-sentence answer (32 tokens: at 16, chat answers were cut before the fact). Generated from a seed: the same seed gives the same set everywhere.
+within a budget that fits a one-sentence answer (32 tokens: at 16, chat answers were cut before the fact).
+Generated from a seed: the same seed gives the same set everywhere.
 """
 
 from __future__ import annotations
