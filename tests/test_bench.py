@@ -348,6 +348,29 @@ def test_faq_set_is_seeded_and_each_answer_is_in_one_chunk():
     assert correct("It was founded by mira okafor!", "Mira Okafor") and not correct("Mira Novak", "Mira Okafor")
 
 
+def test_first_token_entropy_is_high_when_flat_and_low_when_peaked():
+    import math
+
+    import torch
+
+    from cacheblend_bench.frames import entropy
+
+    assert entropy(torch.zeros(8)) == pytest.approx(math.log(8), abs=1e-6)
+    assert entropy(torch.tensor([20.0, 0.0, 0.0, 0.0])) < 1e-6
+
+
+def test_faq_scores_whole_words_of_the_first_line_only():
+    """A quantity's digits inside a longer number, or a fact the completion runs on to after its answer line,
+    is not the answer."""
+    from cacheblend_bench.faq import correct
+
+    assert not correct("The Vekva V3 lasts 13 hours.", "3 hours") and correct("It lasts 3 hours.", "3 hours")
+    assert not correct("It costs 1190 euros.", "119 euros") and correct("119", "119 euros")
+    assert not correct("119 euros\n\nQuestion: How long does the battery last?\nAnswer: 12 hours", "12 hours")
+    assert correct("\n12 hours\n\nQuestion: ...", "12 hours")  # leading blank lines are not the answer line
+    assert not correct("Sornax - Frequently asked questions\nSornax was founded by Hugo Haddad.", "Hugo Haddad")
+
+
 @pytest.mark.model
 def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
     """`bench frames`: every entry point's prompt against the model's own forward of it; full prefill is that
@@ -364,6 +387,8 @@ def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
         assert rows[(frame, "full_prefill")]["kl_vs_model"] < 1e-4
         assert rows[(frame, "cacheblend@0.15")]["chunk_hits"] == 3  # every frame's prompt found its chunks
         assert rows[(frame, "full_reuse")]["kl_vs_model"] > rows[(frame, "full_prefill")]["kl_vs_model"]
+        entropies = {rows[(frame, m)]["reference_entropy"] for m in ("full_prefill", "full_reuse")}
+        assert len(entropies) == 1 and entropies.pop() > 0  # the frame's own forward, once for every method
     assert cli_main(["bench", "faq", "--limit", "2", "--k", "3", "--dtype", "float32", "--max-new-tokens", "8",
                      "--out", str(out), "-q"]) == 0
     faq = json.loads((out / "faq.json").read_text())

@@ -3,7 +3,9 @@
 MuSiQue's gold F1 is ~0.04 for every method on a 135M model, so it cannot show a method giving wrong answers.
 Here every fact is invented (no model knows it), each question's answer is one fact stated in one chunk, and the
 prompt carries that chunk among `k` others about other products, in the user's own wording. Accuracy is whether
-the answer contains the fact. Generated from a seed: the same seed gives the same set everywhere.
+the answer's first line states the fact (whole words; the rest of a completion that runs on is not its answer),
+within a budget that fits a one-sentence answer (32 tokens: at 16, chat answers were cut before the fact).
+Generated from a seed: the same seed gives the same set everywhere.
 """
 
 from __future__ import annotations
@@ -99,11 +101,15 @@ def faq_set(num_questions: int, k: int = 4, seed: int = 0, num_products: int = 2
 
 
 def correct(answer_text: str, expected: str) -> bool:
-    """Whether an answer states the fact: its words in order, case and punctuation aside (a number alone for a
-    quantity: '24' answers '24 months')."""
-    text = " ".join("".join(c if c.isalnum() else " " for c in answer_text.lower()).split())
-    want = " ".join("".join(c if c.isalnum() else " " for c in expected.lower()).split())
-    return want in text or (want.split()[0].isdigit() and want.split()[0] in text.split())
+    """Whether an answer's first line states the fact: its words in order, whole words, case and punctuation aside
+    (a number alone for a quantity: '24' answers '24 months')."""
+    # the first line only: a completion that runs on into more "Question: ... Answer: ..." lines or a copied page
+    # would otherwise be credited with facts it never gave as its answer
+    first_line = answer_text.strip().split("\n", 1)[0]
+    words = "".join(c if c.isalnum() else " " for c in first_line.lower()).split()
+    want = "".join(c if c.isalnum() else " " for c in expected.lower()).split()
+    # whole words: '13 hours' does not state '3 hours'
+    return f" {' '.join(want)} " in f" {' '.join(words)} " or (want[0].isdigit() and want[0] in words)
 
 
 def string_prompt(q: FaqQuestion) -> str:
