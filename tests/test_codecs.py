@@ -241,7 +241,7 @@ def test_int8_and_cachegen_sizes_on_real_kv(real_kv):
     cachegen = measure_codec(get_codec("cachegen"), [kv])
     assert fp16.ratio == pytest.approx(1.0, abs=0.01)
     assert int8.ratio >= 1.9
-    assert cachegen.ratio >= 5.0
+    assert cachegen.ratio >= 4.2  # 4.33x on whole chunks (issue 30's default; these six layers weigh alike)
     # shallow layers get more bits: their error is smaller than the deep layers'
     assert cachegen.group_errors[0][1] < cachegen.group_errors[2][1]
     assert cachegen.group_errors[0][3] < cachegen.group_errors[2][3]
