@@ -240,7 +240,7 @@ def _add_ingest(subparsers) -> None:
                    help="read symbolic links inside a folder that point outside it (refused by default)")
     p.add_argument("--kv-codec", default="fp16", metavar="NAME",
                    help="how new chunk KV is stored on disk: fp16 (exact, default), int8 (~2x smaller) or cachegen "
-                        "(~5x smaller); stores may mix codecs, every file names its own")
+                        "(~4.3x smaller); stores may mix codecs, every file names its own")
     p.add_argument("--neighbor-variants", type=positive_int, default=None, metavar="K",
                    help="also store each chunk's KV as computed after its K most similar chunks of this ingestion "
                         "(Cache-Craft variants, reused by --method cachecraft; costs ~K+1 chunk prefills each)")

@@ -78,7 +78,7 @@ def _check_kv_codec(kv_codec: str, kv_store: object) -> None:
     """ConfigError unless kv_codec names a codec and, if not fp16, kv_store is a path (a disk store it configures)."""
     if not isinstance(kv_codec, str) or kv_codec not in CODECS:
         raise ConfigError(f"unknown kv_codec {kv_codec!r}; choose one of {sorted(CODECS)} "
-                          "(fp16: exact, int8: ~2x smaller, cachegen: ~5x smaller)")
+                          "(fp16: exact, int8: ~2x smaller, cachegen: ~4.3x smaller)")
     if kv_codec != "fp16" and not isinstance(kv_store, (str, os.PathLike)):
         raise ConfigError(f"kv_codec={kv_codec!r} applies to a disk store: pass kv_store=PATH, or build "
                           "DiskStore(root, codec=...) and pass that store")

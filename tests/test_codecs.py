@@ -241,7 +241,7 @@ def test_int8_and_cachegen_sizes_on_real_kv(real_kv):
     cachegen = measure_codec(get_codec("cachegen"), [kv])
     assert fp16.ratio == pytest.approx(1.0, abs=0.01)
     assert int8.ratio >= 1.9
-    assert cachegen.ratio >= 5.0
+    assert cachegen.ratio >= 4.2  # 4.33x on whole chunks (issue 30's default; these six layers weigh alike)
     # shallow layers get more bits: their error is smaller than the deep layers'
     assert cachegen.group_errors[0][1] < cachegen.group_errors[2][1]
     assert cachegen.group_errors[0][3] < cachegen.group_errors[2][3]
@@ -534,11 +534,12 @@ def test_tail_stats_are_per_question_deltas_against_the_fp16_store():
     fp16 = {"kl": [0.1] * n, "agreement": [1.0] * n, "bpt": [20.0] * n, "question": [float(i) for i in range(n)],
             "text": ["a b"] * n}
     coded = {**fp16, "kl": [0.1] * 8 + [0.15, 0.4], "agreement": [1.0] * 9 + [0.5], "bpt": [4.0] * n,
-             "text": ["a b"] * 9 + ["c"]}
+             "text": ["a b"] * 9 + ["c"], "kl_none": [0.01 * i for i in range(n)]}
     t = tail_stats({"fp16": fp16, "cachegen": coded})["cachegen"]
     assert t["ratio"] == pytest.approx(5.0) and t["median"] == pytest.approx(0.0)
     assert t["mean"] == pytest.approx(0.035) and t["max"] == pytest.approx(0.3) and t["worst_question"] == 9
     assert t["p90"] == pytest.approx(0.3)  # nearest rank: the 10th of 10
+    assert t["none_p90"] == pytest.approx(0.09) and math.isnan(tail_stats({"fp16": fp16})["fp16"]["none_p90"])  # older JSON
     assert t["d_agreement"] == pytest.approx(-0.05) and t["f1_vs_base"] == pytest.approx(0.9)
     assert "(q9)" in tail_rows({"fp16": fp16, "cachegen": coded})[1]
 
