@@ -269,8 +269,7 @@ class GrammarState:
                 return steps
             if walk.is_error():
                 break
-            candidates = self._closing(self.allowed(width, walk), scan)[: self.leads.lengths.size]
-            token_id = int(np.argmin(np.where(candidates, self.leads.lengths[: candidates.size], np.iinfo(np.int32).max)))
+            token_id = self._shortest(self._closing(self.allowed(width, walk), scan))
             walk.consume_token(token_id)
             scan.push(self.leads.texts[token_id])
         return limit + 1
@@ -280,35 +279,36 @@ class GrammarState:
         be complete again (1 for free text; a whole call for parallel calls); 0 when only ending is allowed."""
         allowed = self.allowed(width)
         allowed[self.eos] = False
-        allowed = allowed[: self.leads.lengths.size]
-        if not allowed.any():
+        if not allowed[: self.leads.lengths.size].any():
             return 0
         walk = self.matcher.deep_copy()
-        walk.consume_token(int(np.argmin(np.where(allowed, self.leads.lengths[: allowed.size], np.iinfo(np.int32).max))))
+        walk.consume_token(self._shortest(allowed))
         return 1 + self.steps_to_complete(limit, width, walk)
+
+    def _shortest(self, candidates: np.ndarray) -> int:
+        """The candidate token with the shortest text."""
+        candidates = candidates[: self.leads.lengths.size]
+        return int(np.argmin(np.where(candidates, self.leads.lengths[: candidates.size], np.iinfo(np.int32).max)))
 
     def update_closing(self, tokens_left: int, width: int) -> bool:
         """Whether this step must close: the text is not yet complete and the tokens left barely cover a closing
         walk. Estimated every RECHECK_EVERY steps, at every step once the budget nears the estimate, and at once
-        when the text stops being a complete match. A complete match that could only continue into text the budget
+        when the text becomes or stops being a complete match. A complete match that could only continue into text the budget
         cannot complete (another parallel call) ends here (`_ending`: only EOS)."""
         if self.closing or self.leads is None:
             return self.closing
-        if self.satisfied:
-            self._since_check += 1
-            if not self._was_satisfied or self._since_check >= RECHECK_EVERY or tokens_left <= self._estimate + 2 * CLOSE_MARGIN:
-                self._estimate = self.steps_to_continue(tokens_left, width)
-                self._since_check = 0
-            self._was_satisfied = True
+        satisfied = self.satisfied
+        if satisfied != self._was_satisfied:  # a unit ended, or another began: estimate now, not steps later
+            self._since_check, self._was_satisfied = RECHECK_EVERY, satisfied
+        self._since_check += 1
+        if self._since_check >= RECHECK_EVERY or tokens_left <= self._estimate + 2 * CLOSE_MARGIN:
+            walk = self.steps_to_continue if satisfied else self.steps_to_complete
+            self._estimate = walk(tokens_left, width)
+            self._since_check = 0
+        if satisfied:
             # free text continues one token at a time (never cut short); a longer unit needs its closing margin
             self._ending = tokens_left < self._estimate + (CLOSE_MARGIN if self._estimate > 1 else 0)
             return False
-        if self._was_satisfied:  # a new unit began (another call): estimate it now, not RECHECK_EVERY steps later
-            self._since_check, self._was_satisfied = RECHECK_EVERY, False
-        self._since_check += 1
-        if self._since_check >= RECHECK_EVERY or tokens_left <= self._estimate + 2 * CLOSE_MARGIN:
-            self._estimate = self.steps_to_complete(tokens_left, width)
-            self._since_check = 0
         self.closing = tokens_left <= self._estimate + CLOSE_MARGIN
         return self.closing
 
@@ -324,7 +324,7 @@ class GrammarState:
         allowed = self.allowed(width)
         if closing:
             allowed = self._closing(allowed, self.scan)
-        elif tokens_left is not None and self._ending:
+        elif self._ending:
             allowed = np.zeros_like(allowed)
             allowed[self.eos] = True
         np.putmask(values, ~allowed, -np.inf)
