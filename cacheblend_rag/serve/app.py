@@ -25,7 +25,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decode.generate import SamplingOptions
 from ..decode.grammar import GrammarCompiler
-from ..fuse.policies import make_policy
 from ..errors import (
     CacheBlendError,
     ChunkError,
@@ -210,15 +209,14 @@ class _Server:
             documents.append(doc if isinstance(doc, str) else (doc.text if doc.text is not None else doc.id or ""))
         documents += body.chunk_ids or []
         opts = body.cacheblend
-        auto = opts.recompute_ratio == "auto"
         return EngineCall(
             question=question,
             system=system,
             messages=messages,
             documents=tuple(documents),
             retrieval=(body.retrieval.collection, body.retrieval.k) if body.retrieval else None,
-            policy=make_policy(opts.method, None if auto else opts.recompute_ratio, **opts.policy_options()),
-            auto_ratio=auto,
+            policy=opts.policy(),
+            auto_ratio=opts.auto_ratio,
             sampling=SamplingOptions(body.new_tokens(default_max_tokens), body.temperature, body.top_p,
                                      tuple(body.stop or ()), body.seed, grammar),
         )

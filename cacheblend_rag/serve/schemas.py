@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..decode.generate import SEED_MAX, SEED_MIN
 from ..errors import ConfigError
 from ..fuse.policies import POLICIES, make_policy, takes_ratio
+from ..fuse.policy import Policy
 from ..ingest.chunks import looks_like_chunk_id
 
 MAX_STOP = 4  # as OpenAI
@@ -116,14 +117,22 @@ class CacheBlendOptions(_Body):
 
     @model_validator(mode="after")
     def _the_policy_takes_them(self) -> "CacheBlendOptions":
-        if self.recompute_ratio == "auto" and not takes_ratio(POLICIES[self.method]):
+        if self.auto_ratio and not takes_ratio(POLICIES[self.method]):
             raise ValueError(f'recompute_ratio "auto" needs a method with a recompute ratio, not {self.method!r}')
-        ratio = None if self.recompute_ratio == "auto" else self.recompute_ratio
         try:
-            make_policy(self.method, ratio, **self.policy_options())
+            self.policy()
         except (ConfigError, TypeError, ValueError) as e:
             raise ValueError(str(e)) from None
         return self
+
+    @property
+    def auto_ratio(self) -> bool:
+        """Whether the loading controller chooses the recompute ratio."""
+        return self.recompute_ratio == "auto"
+
+    def policy(self) -> Policy:
+        """The method's policy with these options (`recompute_ratio="auto"` leaves its ratio to the engine)."""
+        return make_policy(self.method, None if self.auto_ratio else self.recompute_ratio, **self.policy_options())
 
     def policy_options(self) -> dict[str, Any]:
         """The method's options that were set, as the engine takes them (lists as tuples)."""
