@@ -166,6 +166,19 @@ def with_tools_prompt(messages: Sequence[dict[str, str]], functions: Sequence[di
     return with_system_text(messages, tools_prompt(functions, parallel))
 
 
+def tool_turn(messages: Sequence[dict[str, str]], tools: Sequence[dict[str, Any]], choice: Any = None,
+              parallel: bool = False) -> tuple[list[dict[str, str]], Grammar | None, list[dict[str, Any]]]:
+    """(messages, grammar, functions to parse calls of) for one answer with these OpenAI tool specs bound: the
+    tools' system text added and the grammar `choice` asks for; no functions to parse under "none". Without tools,
+    the messages as they are and no grammar."""
+    functions = functions_of(tools)
+    if not functions:
+        return list(messages), None, []
+    choice = normalize_choice(choice, [f["name"] for f in functions])
+    grammar = tool_grammar(functions, choice, parallel=parallel)
+    return with_tools_prompt(messages, functions, parallel), grammar, [] if choice == "none" else functions
+
+
 def schema_prompt(schema: dict[str, Any]) -> str:
     """The system text asking for a JSON answer of this schema (the grammar enforces the shape; the text tells a
     small model what the fields mean and to keep their values brief, so it closes them within max_tokens)."""

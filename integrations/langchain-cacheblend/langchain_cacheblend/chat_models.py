@@ -215,14 +215,11 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         schema = ((kwargs.get("response_format") or {}).get("json_schema") or {}).get("schema")
         if schema is not None:
             chat = generic_tools.with_system_text(chat, generic_tools.schema_prompt(schema))
-        functions = generic_tools.functions_of(kwargs.get("tools") or [])
-        if functions:
-            choice = generic_tools.normalize_choice(kwargs.get("tool_choice"), [f["name"] for f in functions])
-            parallel = bool(kwargs.get("parallel_tool_calls"))  # bind_tools(..., parallel_tool_calls=True)
-            chat = generic_tools.with_tools_prompt(chat, functions, parallel)
-            settings["grammar"] = generic_tools.tool_grammar(functions, choice, parallel=parallel)
-            if choice == "none":
-                functions = []  # nothing to parse: the answer is plain text
+        # bind_tools(..., parallel_tool_calls=True) lets an answer hold several calls
+        chat, grammar, functions = generic_tools.tool_turn(chat, kwargs.get("tools") or [], kwargs.get("tool_choice"),
+                                                           bool(kwargs.get("parallel_tool_calls")))
+        if grammar is not None:
+            settings["grammar"] = grammar
         return chat, settings, functions
 
     def _metadata(self, engine: CacheBlendEngine, stats: dict) -> dict[str, Any]:

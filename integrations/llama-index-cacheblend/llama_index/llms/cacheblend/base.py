@@ -431,14 +431,9 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         kwargs = dict(kwargs)
         tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
         parallel = bool(kwargs.pop("parallel_tool_calls", False))
-        chat = to_chat_messages(messages)
-        functions = generic_tools.functions_of(tools or [])
-        if functions:
-            choice = generic_tools.normalize_choice(choice, [f["name"] for f in functions])
-            chat = generic_tools.with_tools_prompt(chat, functions, parallel)
-            kwargs["grammar"] = generic_tools.tool_grammar(functions, choice, parallel=parallel)
-            if choice == "none":
-                functions = []  # nothing to parse: the answer is plain text
+        chat, grammar, functions = generic_tools.tool_turn(to_chat_messages(messages), tools or [], choice, parallel)
+        if grammar is not None:
+            kwargs["grammar"] = grammar
         return chat, kwargs, functions
 
     @llm_chat_callback()
