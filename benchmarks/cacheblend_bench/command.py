@@ -212,9 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own_options = {}
     for name, (help_text, add_own) in STUDIES.items():
         p = studies.add_parser(name, parents=parents, help=help_text, description=help_text + ".")
-        own = p.add_argument_group(f"{name} options")
-        add_own(own)
-        own_options[name] = (p, {a.dest for a in own._group_actions})
+        common = set(vars(p.parse_args([])))
+        add_own(p.add_argument_group(f"{name} options"))
+        own_options[name] = (p, set(vars(p.parse_args([]))) - common)
     every_option = set().union(*(dests for _, dests in own_options.values()))
     for p, dests in own_options.values():  # another study's option reads as None in the code the studies share
         p.set_defaults(**dict.fromkeys(every_option - dests))
