@@ -573,6 +573,7 @@ class CacheBlendEngine:
             finally:
                 with torch.inference_mode():
                     store_chunks(self.cache, pre.unstored_holes)
+                    store_chunks(self.cache, pre.unlearned, pre.opening)
 
 
 def _warn_no_match(changed: list[str]) -> None:

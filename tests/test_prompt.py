@@ -101,9 +101,40 @@ def test_prompt_prefill_is_exact_at_ratio_one_and_full_reuse_at_zero(engine):
     one = engine.prefill_prompt(prompt, recompute_ratio=1.0)
     assert torch.equal(one.token_ids, full.token_ids)
     assert float((one.logits - full.logits).abs().max()) <= 1e-4
+    engine.prefill_prompt(prompt, recompute_ratio=0.0)  # the opening seen again: its chunks' KV computed behind it
     zero = engine.prefill_prompt(prompt, recompute_ratio=0.0)
     reuse = engine.prefill_prompt(prompt, method="full_reuse")
     assert torch.equal(zero.logits, reuse.logits) and float((reuse.logits - full.logits).abs().max()) > 1e-3
+
+
+def test_a_recurring_opening_unlike_the_lead_in_gets_its_chunks_kv_behind_it(engine, tokenizer, tmp_path):
+    # A plain string begins unlike the chat template's system turn the chunks were computed behind. Seen once, its
+    # chunks come from there; seen again, they are computed behind the string's own opening after the answer, and
+    # from then on a lone chunk right after that opening is exact: full reuse gives the model's own logits.
+    prompt = f"You answer from the context only.\n\n{TEXTS[0]}\n\nQ: {QUESTION}\nA:"
+    full = engine.prefill_prompt(prompt, method="full_prefill")
+    once = engine.prefill_prompt(prompt, method="full_reuse")
+    again = engine.prefill_prompt(prompt, method="full_reuse")
+    assert torch.equal(once.logits, again.logits) and float((once.logits - full.logits).abs().max()) > 1e-3
+    learned = engine.prefill_prompt(prompt, method="full_reuse")
+    assert learned.stats["chunk_hits"] == [chunk_id(TEXTS[0])] and learned.stats["chunk_misses"] == []
+    torch.testing.assert_close(learned.logits, full.logits, atol=1e-4, rtol=1e-4)
+    # the same through generation, which stores what it learned after the answer (without stored prefixes: the
+    # first answer's own KV would otherwise be the longest stored prefix of the next prompt, and placed instead)
+    generating = CacheBlendEngine(engine.model, tokenizer, kv_store=tmp_path / "kv2", prefix_reuse=False)
+    generating.ingest(TEXTS, show_progress=False)
+    other = f"Notes follow.\n\n{TEXTS[1]}\n\nQ: Who won two Nobel prizes?\nA:"
+    expected = generating.prefill_prompt(other, method="full_prefill").logits
+    for _ in range(2):
+        generating.generate_prompt(other, "full_reuse", max_new_tokens=2)
+    torch.testing.assert_close(generating.prefill_prompt(other, method="full_reuse").logits, expected,
+                               atol=1e-4, rtol=1e-4)
+    # chat messages begin like the lead-in: their chunks stay where they were computed, however often they come
+    chat = [{"role": "user", "content": f"{TEXTS[2]}\n\nWhat is basalt?"}]
+    first = engine.prefill_prompt(chat, method="full_reuse")
+    for _ in range(2):
+        engine.prefill_prompt(chat, method="full_reuse")
+    assert torch.equal(engine.prefill_prompt(chat, method="full_reuse").logits, first.logits)
 
 
 def test_chat_messages_with_a_users_system_prompt(engine):

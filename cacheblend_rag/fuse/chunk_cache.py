@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX_BLOCK = 16  # tokens per block of a stored prefix (vLLM's default block size)
 _MAX_INDEXED_BLOCKS = 1 << 18  # block hashes this process remembers (≈ 40 MB); older ones are found by probing
+_MAX_OPENINGS = 64  # foreign openings counted (an app has a few prompt templates; one-offs age out)
 # entries this process stored that it remembers as its own (a store evicts without telling this cache, so without
 # a bound a long-running server would keep one name per request it ever answered)
 _MAX_OWN_PREFIXES = 1 << 16
@@ -96,6 +97,9 @@ class ChunkCache:
         self._prefix_index: OrderedDict[str, str] = OrderedDict()  # block hash → name of an entry holding it
         self._prefix_entries: OrderedDict[str, int] = OrderedDict()  # entries this process stored → their blocks
         self._warned_prefix_size = False  # a prefix larger than its store's budget is reported once
+        # Openings of prompts that begin unlike the lead-in (a plain string to a chat model), counted: one seen
+        # again gets its chunks' KV computed behind it (`opening_recurs`)
+        self._openings: OrderedDict[tuple[int, ...], int] = OrderedDict()
 
     def namespace_for(self, lead_in_ids: Sequence[int]) -> str:
         """Fingerprint of model, tokenizer and lead-in: every KV it names was computed under all three."""
@@ -117,6 +121,22 @@ class ChunkCache:
     def has_kv(self, chunk_id: str) -> bool:
         """Whether the chunk's KV (behind the lead-in) is stored and its header checks out."""
         return self.store.contains(self.key(chunk_id))
+
+    def foreign_opening(self, opening: Sequence[int]) -> bool:
+        """Whether a prompt's text before its first chunk begins with another token than the lead-in: another kind
+        of frame (a plain string prompt where chunks were computed behind the chat template's system turn), where
+        chunk KV computed behind the lead-in deviates most (docs/benchmarks.md, "How close ...")."""
+        return bool(opening) and bool(self.lead_in_ids) and opening[0] != self.lead_in_ids[0]
+
+    def opening_recurs(self, opening: Sequence[int]) -> bool:
+        """Count a foreign opening; whether it was seen before (an app's own prompt template, not a one-off), so
+        its chunks' KV is worth computing behind it."""
+        key = tuple(opening)
+        seen = self._openings.pop(key, 0) + 1
+        self._openings[key] = seen
+        while len(self._openings) > _MAX_OPENINGS:
+            self._openings.popitem(last=False)
+        return seen > 1
 
     def token_ids(self, chunk_id: str) -> torch.Tensor | None:
         """The stored chunk's token ids (no layer is read), or None."""

@@ -125,6 +125,9 @@ class Prefill:
     values: list[torch.Tensor] = field(repr=False)
     chunk_ids: list[str] = field(default_factory=list)
     unstored_holes: list[Chunk] = field(default_factory=list, repr=False)  # holes left to store (store_holes=False)
+    # chunks to compute behind a recurring foreign opening (store_holes=False): `store_chunks(cache, c, opening)`
+    unlearned: list[Chunk] = field(default_factory=list, repr=False)
+    opening: list[int] = field(default_factory=list, repr=False)
 
 
 _STATS_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestStats))
@@ -170,20 +173,22 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
     for p in run.placed.placements:
         by_tier[p.kv.tier] = by_tier.get(p.kv.tier, 0) + p.kv.bytes_read
     run.placed.close()  # after the first token: promotion reads the layers the loop skipped
-    holes = run.placed.holes
+    holes, unlearned = run.placed.holes, run.placed.to_learn
     if store_holes:
         store_chunks(cache, holes)
-        holes = []
+        store_chunks(cache, unlearned, run.placed.opening)
+        holes, unlearned = [], []
     run.selection.after_request(run.result)  # e.g. Cache-Craft keeps its variants, after the first token
     stats = _stats(run, request.chunks, ttft, by_tier)
     return Prefill(run.logits, stats, request.layout.token_ids, run.result.keys, run.result.values,
-                   [c.chunk_id for c in request.chunks], holes)
+                   [c.chunk_id for c in request.chunks], holes, unlearned, run.placed.opening)
 
 
-def store_chunks(cache: ChunkCache, chunks: list[Chunk]) -> None:
-    """Compute and store the KV of chunks that were holes, so the next request hits (best effort: logged)."""
+def store_chunks(cache: ChunkCache, chunks: list[Chunk], lead_in_ids: Sequence[int] | None = None) -> None:
+    """Compute and store the KV of chunks that were holes (or missed behind a prompt's opening), so the next
+    request hits (best effort: logged)."""
     for chunk in chunks:
-        cache.compute_and_store(chunk, best_effort=True)
+        cache.compute_and_store(chunk, lead_in_ids, best_effort=True)
 
 
 def _run(cache: ChunkCache, policy: Policy, request: FusionRequest, auto_ratio: AutoRatio | None) -> _Run:
