@@ -1,0 +1,147 @@
+"""A chat template's own tool format, learned from the template: three templates written for these tests (the
+Hermes, Llama-3.1-JSON and Mistral shapes, in tests/chat_templates/) on the real SmolLM2 model and tokenizer,
+whose own template has no tool format (the generic one is kept for it)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.request import Request
+from cacheblend_rag.tool_format import GENERIC, ToolFormat
+from cacheblend_rag.tools import functions_of, may_be_call, parse_tool_calls, tool_grammar, tool_turn
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+NAMES = ("hermes", "llama_json", "mistral")
+LISTING = {"hermes": "You may call these functions:", "llama_json": "To call a function, answer with only",
+           "mistral": "[AVAILABLE_TOOLS]"}
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a timezone.",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}}}
+ASK = [{"role": "system", "content": "You are a helpful assistant."},
+       {"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def with_template(tokenizer, name: str):
+    """A copy of the tokenizer with one of the test templates (the session's tokenizer stays as it is)."""
+    tok = copy.copy(tokenizer)
+    tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+    return tok
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def native(request, default_model, tmp_path_factory) -> tuple[str, CacheBlendEngine]:
+    """(template name, an engine over the real model whose tokenizer has that template)."""
+    model, tokenizer = default_model
+    return request.param, CacheBlendEngine(model, with_template(tokenizer, request.param),
+                                           tmp_path_factory.mktemp(f"kv-{request.param}"))
+
+
+def test_the_generic_format_is_kept_for_smollm2s_own_template(tokenizer):
+    assert ToolFormat.of(tokenizer) is GENERIC and not GENERIC.native
+    # the generic grammar is the one it was: a call framed in <tool_call> tags, parallel calls a line each
+    grammar = tool_grammar(functions_of([WEATHER]), "auto", parallel=True).source
+    assert 'calls: call ("\\n" call)*\ncall: "<tool_call>" %json ' in grammar
+    assert grammar.endswith('"</tool_call>"\ntext: /[^<][\\s\\S]*/\n')
+
+
+@pytest.mark.parametrize("name, prefix, suffix, between, keys", [
+    ("hermes", "<tool_call>\n", "\n</tool_call>", "\n</tool_call>\n<tool_call>\n", ("name", "arguments")),
+    ("llama_json", "", "", None, ("name", "parameters")),  # the template raises on two calls: one per turn
+    ("mistral", "[TOOL_CALLS][", "]", ", ", ("name", "arguments")),
+])
+def test_the_format_is_learned_from_each_template(tokenizer, name, prefix, suffix, between, keys):
+    fmt = ToolFormat.of(with_template(tokenizer, name))
+    assert fmt.native and (fmt.prefix, fmt.suffix, fmt.between, fmt.keys) == (prefix, suffix, between, keys)
+    assert ToolFormat.of(with_template(tokenizer, name)) is fmt  # learned once per template
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_calls_the_template_renders_parse_back_and_may_be_held_back(tokenizer, name):
+    tok = with_template(tokenizer, name)
+    fmt = ToolFormat.of(tok)
+    calls = [{"id": "call00001", "name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}},
+             {"id": "call00002", "name": "get_time", "arguments": {"timezone": "Europe/Oslo"}}]
+    calls = calls if fmt.between is not None else calls[:1]
+    head = tok.apply_chat_template(ASK, tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True)
+    turn = fmt.chat_messages([*ASK, {"role": "assistant", "content": "", "tool_calls": calls}])
+    full = tok.apply_chat_template(turn, tools=[WEATHER, TIME], tokenize=False)
+    answer = full[len(head):]
+    content, parsed = parse_tool_calls(answer.replace("<|eot_id|>", "").replace("</s>", "").replace(
+        "<|im_end|>", ""), functions_of([WEATHER, TIME]), fmt)
+    assert [(c.name, c.arguments) for c in parsed] == [(c["name"], c["arguments"]) for c in calls] and content == ""
+    assert may_be_call(answer[:3], fmt) and not may_be_call("Paris is sunny.", fmt)
+    assert parse_tool_calls("Paris is sunny.", functions_of([WEATHER]), fmt) == ("Paris is sunny.", [])
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_prompt_lists_the_tools_through_the_template(native):
+    name, engine = native
+    fmt = ToolFormat.of(engine.tokenizer)
+    turn = tool_turn(ASK, [WEATHER], "auto", fmt=fmt)
+    assert turn.messages == ASK and turn.tools == [WEATHER]  # no generic system text: the template lists them
+    text, _ = engine._prompt_text(turn.messages, turn.tools)
+    assert LISTING[name] in text and '"get_weather"' in text and "<tools>" not in text.replace(
+        "You may call these functions:\n<tools>", "")
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_required_call_is_written_in_the_templates_syntax(native):
+    name, engine = native
+    fmt = ToolFormat.of(engine.tokenizer)
+    turn = tool_turn(ASK, [WEATHER, TIME], "required", fmt=fmt)
+    out = engine.generate_request(Request.of(prompt=turn.messages, tools=turn.tools, max_new_tokens=64,
+                                             grammar=turn.grammar))
+    assert out.text.startswith(fmt.prefix.strip() or "{") and "<tool_call>" not in out.text.replace(
+        fmt.prefix.strip(), "")
+    content, (call,) = parse_tool_calls(out.text, turn.functions, fmt)
+    schema = next(t["function"]["parameters"] for t in (WEATHER, TIME) if t["function"]["name"] == call.name)
+    jsonschema.validate(call.arguments, schema)
+    assert content == "" and out.grammar_satisfied
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_second_turn_renders_the_call_and_result_natively_and_the_results_chunk_is_a_hit(native, passages):
+    name, engine = native
+    fmt = ToolFormat.of(engine.tokenizer)
+    (passage_id,) = engine.ingest(passages[0], show_progress=False)
+    call = {"id": "call00001", "name": "get_weather", "arguments": {"city": "Paris"}}
+    history = fmt.chat_messages([*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                 {"role": "tool", "content": passages[0], "tool_call_id": "call00001"}])
+    assert history[-1]["role"] == "tool" and history[-2]["tool_calls"][0]["function"]["name"] == "get_weather"
+    turn = tool_turn(history, [WEATHER], "none", fmt=fmt)
+    text, _ = engine._prompt_text(turn.messages, turn.tools)
+    assert fmt.render_call("get_weather", {"city": "Paris"}) in text and passages[0] in text
+    out = engine.generate_request(Request.of(prompt=turn.messages, tools=turn.tools, max_new_tokens=4,
+                                             grammar=turn.grammar))
+    assert out.stats.chunk_hits == [passage_id]
+    assert not out.text.lstrip().startswith(fmt.opener)  # "none": plain text
+
+
+def test_tools_go_with_chat_messages_only():
+    with pytest.raises(ConfigError, match="chat messages"):
+        Request.of(prompt="Hi", tools=[WEATHER])
+    with pytest.raises(ConfigError, match="tools must be"):
+        Request.of(prompt=ASK, tools=[{"name": "x"}])
+    assert Request.of(prompt=ASK, tools=[WEATHER]).tools == (WEATHER,)
+
+
+def test_json_answers_are_not_bare_json_calls(tokenizer):
+    fmt = ToolFormat.of(with_template(tokenizer, "llama_json"))
+    answer = json.dumps({"name": "get_weather", "city": "Paris"})  # a JSON answer that names a tool: no call
+    assert parse_tool_calls(answer, functions_of([WEATHER]), fmt) == (answer, [])
