@@ -41,7 +41,8 @@ _PROBE_TOOL = {"type": "function", "function": {
     "name": _PROBE_NAME, "description": "A probe.",
     "parameters": {"type": "object", "properties": {"probe_key": {"type": "string"}}, "required": ["probe_key"]}}}
 _PROBE_IDS = ("probe0001", "probe0002")  # nine letters and digits: Mistral's templates refuse other call ids
-_CONTENT, _RESULT = "probe-content-7f3a", "probe-result-7f3a"
+_CONTENT = "probe-content-7f3a"
+_RESULT = 'probe "result" 7f3a\nits second line'  # quotes and a newline: a template that escapes results shows it
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class ToolFormat:
     name_first: bool = True
     arguments_as_text: bool = False  # the template takes a call's arguments as JSON text, not a dict
     native: bool = False  # the chat template's own format (tools go to apply_chat_template)
+    results_verbatim: bool = True  # the template writes a tool's result as is (Llama 3.1's JSON-escapes it)
 
     @classmethod
     def of(cls, tokenizer: Any) -> "ToolFormat":
@@ -142,8 +144,10 @@ class ToolFormat:
         return out
 
     def _result(self, content: str, call_id: str | None, names: dict) -> dict[str, Any]:
-        """A tool's result as a chat message, its content verbatim (stored chunks in it are found and fused)."""
-        if not self.native:
+        """A tool's result as a chat message, its content verbatim (stored chunks in it are found and fused): a
+        template that escapes results gets them as the generic format's user message instead, so the chunks in a
+        retriever tool's result stay found."""
+        if not self.native or not self.results_verbatim:
             return {"role": "user", "content": f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"}
         message = {"role": "tool", "content": content, "tool_call_id": call_id or ""}
         if names.get(call_id):
@@ -235,10 +239,14 @@ def _probe(render: Render, user: list[dict[str, Any]], head: str, as_text: bool)
     args_key = next(k for k in keys if k != name_key)
     result = render([*user, {"role": "assistant", "content": "", "tool_calls": [_probe_call(0, as_text)]},
                      {"role": "tool", "content": _RESULT, "tool_call_id": _PROBE_IDS[0], "name": _PROBE_NAME}], True)
-    if _RESULT not in result:
-        return None
+    verbatim = _RESULT in result
+    if not verbatim and json.dumps(_RESULT)[1:-1] not in result:
+        return None  # the result is not rendered at all
+    if not verbatim:  # stored chunks inside a result would not be found: say so once, when learned
+        logger.warning("the chat template JSON-escapes tool results: they go back as <tool_response> user "
+                       "messages instead, so stored chunks inside them are still found and reused")
     return ToolFormat(prefix, suffix, _between(render, user, head, as_text, prefix, suffix),
-                      (name_key, args_key), keys[0] == name_key, as_text, native=True)
+                      (name_key, args_key), keys[0] == name_key, as_text, native=True, results_verbatim=verbatim)
 
 
 def _between(render: Render, user: list[dict[str, Any]], head: str, as_text: bool, prefix: str,

@@ -145,3 +145,65 @@ def test_json_answers_are_not_bare_json_calls(tokenizer):
     fmt = ToolFormat.of(with_template(tokenizer, "llama_json"))
     answer = json.dumps({"name": "get_weather", "city": "Paris"})  # a JSON answer that names a tool: no call
     assert parse_tool_calls(answer, functions_of([WEATHER]), fmt) == (answer, [])
+
+
+@pytest.fixture(scope="module")
+def served(native):
+    """(template name, engine, an `openai` client of a server over that engine, in process)."""
+    openai = pytest.importorskip("openai")
+    from fastapi.testclient import TestClient
+
+    from cacheblend_rag.serve.app import ServeConfig, create_app
+
+    name, engine = native
+    with TestClient(create_app(engine, ServeConfig(model_name="native"))) as http:
+        yield name, engine, openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
+                                          max_retries=0)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_the_server_answers_the_openai_sdk_in_the_templates_format(served, passages):
+    name, engine, client = served
+    kw = dict(model="native", tools=[WEATHER, TIME], max_tokens=64,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = client.chat.completions.create(messages=ASK, **kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    with client.chat.completions.stream(messages=ASK, **kw) as stream:  # the SDK accumulates the deltas
+        streamed = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == [("get_weather", args)]
+
+    (passage_id,) = engine.ingest(passages[1], show_progress=False)
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+               {"role": "tool", "tool_call_id": call.id, "content": passages[1]}]
+    second = client.chat.completions.create(model="native", messages=history, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=4)
+    assert second.choices[0].message.tool_calls is None
+    assert second.usage.to_dict()["cacheblend"]["hit_ids"] == [passage_id]  # the result's chunk, fused
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_template_that_escapes_tool_results_keeps_its_calls_and_gets_results_verbatim_as_user_text(
+        default_model, tmp_path, passages):
+    model, tokenizer = default_model
+    tok = with_template(tokenizer, "llama_json")
+    tok.chat_template = tok.chat_template.replace(  # as Llama 3.1's template writes a string result: tojson
+        "'<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content",
+        "'<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content | tojson")
+    assert "message.content | tojson" in tok.chat_template
+    fmt = ToolFormat.of(tok)
+    assert fmt.native and fmt.keys == ("name", "parameters") and not fmt.results_verbatim
+    assert ToolFormat.of(with_template(tokenizer, "llama_json")).results_verbatim
+    engine = CacheBlendEngine(model, tok, tmp_path)
+    (passage_id,) = engine.ingest(passages[2], show_progress=False)
+    call = {"id": "call00001", "name": "get_weather", "arguments": {"city": "Paris"}}
+    history = fmt.chat_messages([*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                 {"role": "tool", "content": passages[2], "tool_call_id": "call00001"}])
+    assert "tool_calls" in history[-2] and history[-1] == {
+        "role": "user", "content": f"<tool_response>\n{passages[2]}\n</tool_response>"}
+    out = engine.generate_request(Request.of(prompt=history, tools=[WEATHER], max_new_tokens=2))
+    assert out.stats.chunk_hits == [passage_id]
