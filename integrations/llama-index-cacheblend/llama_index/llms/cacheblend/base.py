@@ -221,7 +221,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     verbatim in the prompts reuse their KV. `complete(prompt, chunks=[...], question=...)` answers from those
     chunks explicitly. `context_window` and `model_name` are the engine's model's own. It is a function-calling
     LLM (`FunctionAgent`, `predict_and_call`, `structured_predict`, `as_structured_llm`): `chat(messages,
-    tools=[...], tool_choice=...)` constrains decoding to a well-formed call in the generic tool format.
+    tools=[...], tool_choice=...)` constrains decoding to a well-formed call in the chat template's own tool format
+    (`ToolFormat.of`), else the generic one.
 
     Example:
         >>> llm = CacheBlendLLM(engine=engine, max_new_tokens=8)
