@@ -207,3 +207,27 @@ def test_a_template_that_escapes_tool_results_keeps_its_calls_and_gets_results_v
         "role": "user", "content": f"<tool_response>\n{passages[2]}\n</tool_response>"}
     out = engine.generate_request(Request.of(prompt=history, tools=[WEATHER], max_new_tokens=2))
     assert out.stats.chunk_hits == [passage_id]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_call_stream_sends_calls_in_the_templates_syntax(tokenizer, name, size):
+    from cacheblend_rag.serve.tooling import CallStream
+
+    fmt = ToolFormat.of(with_template(tokenizer, name))
+    args = [{"city": "Oslo", "unit": "celsius"}, {"city": "Bergen"}]
+    if fmt.between is None:  # one call per turn
+        args = args[:1]
+    bodies = [json.dumps(fmt.call_json("get_weather", a)) for a in args]
+    text = fmt.prefix + (fmt.between or "").join(bodies) + fmt.suffix
+    stream = CallStream([WEATHER["function"]], fmt)
+    deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.finish()
+    calls: dict[int, str] = {}
+    for delta in deltas:
+        assert "content" not in delta
+        for c in delta["tool_calls"]:
+            calls[c["index"]] = calls.get(c["index"], "") + c["function"]["arguments"]
+    assert [json.loads(calls[i]) for i in sorted(calls)] == args and stream.calls == len(args)
+    streamed = [d for d in deltas[:-1] if d["tool_calls"][0]["function"].get("arguments")]
+    if name != "mistral" and size < len(text):  # framed alone: arguments go out in pieces before the end
+        assert len(streamed) > 1
