@@ -53,8 +53,8 @@ class ToolFormat:
     prefix: str
     suffix: str
     between: str | None
-    keys: tuple[str, str] = ("name", "arguments")  # (the name's key, the arguments' key), in written order
-    name_first: bool = True
+    keys: tuple[str, str] = ("name", "arguments")  # (the name's key, the arguments' key)
+    name_first: bool = True  # the name written before the arguments
     arguments_as_text: bool = False  # the template takes a call's arguments as JSON text, not a dict
     native: bool = False  # the chat template's own format (tools go to apply_chat_template)
     results_verbatim: bool = True  # the template writes a tool's result as is (Llama 3.1's JSON-escapes it)
