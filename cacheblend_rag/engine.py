@@ -346,7 +346,7 @@ class CacheBlendEngine:
     def _fusion_request(self, request: Request) -> FusionRequest:
         """The request's token layout and the stored chunks placed in it."""
         if request.prompt is not None:
-            return self._prompt_request(request.prompt)
+            return self._prompt_request(request.prompt, request.tools)
         resolved = [self.resolve_chunk(c) for c in request.chunks]
         prefix, separator, suffix = (request.template or self.template).render(self.tokenizer, request.question,
                                                                                request.history)
@@ -374,11 +374,11 @@ class CacheBlendEngine:
         return self.prefill_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
                                                **options), store_holes=store_holes)
 
-    def _prompt_request(self, prompt: str | Sequence[dict]) -> FusionRequest:
+    def _prompt_request(self, prompt: str | Sequence[dict], tools: Sequence[dict] | None = None) -> FusionRequest:
         """The prompt tokenized once, as the model would tokenize it, and the stored chunks found in it, each
         placed where the prompt's own tokens reproduce its stored tokens (edge tokens merged with the text around
         a chunk are computed)."""
-        text, add_special_tokens = self._prompt_text(prompt)
+        text, add_special_tokens = self._prompt_text(prompt, tools)
         if not self.tokenizer.is_fast:
             raise ConfigError(f"{self.model_name}'s tokenizer is not a fast tokenizer: prompts need its character "
                               "offsets to find stored chunks; load the model's tokenizer.json (use_fast=True)")
@@ -401,14 +401,16 @@ class CacheBlendEngine:
                 rows.append((row, stop - start))
         return FusionRequest(chunks, prompt_layout(ids, rows))
 
-    def _prompt_text(self, prompt: str | Sequence[dict]) -> tuple[str, bool]:
+    def _prompt_text(self, prompt: str | Sequence[dict], tools: Sequence[dict] | None = None) -> tuple[str, bool]:
         """(the prompt's text in NFC, whether the tokenizer adds its special tokens: for a string, as
-        `tokenizer(prompt)` does; chat messages are rendered by the chat template, which writes its own)."""
+        `tokenizer(prompt)` does; chat messages are rendered by the chat template, which writes its own, and
+        lists `tools` when given: a template with its own tool format)."""
         if isinstance(prompt, str):
             return unicodedata.normalize("NFC", prompt), True
         if not self.has_chat_template:
             raise ConfigError(f"{self.model_name} has no chat template; pass the prompt as a string")
-        text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(list(prompt), tools=list(tools) if tools else None, tokenize=False,
+                                                  add_generation_prompt=True)
         return unicodedata.normalize("NFC", text), False
 
     @property
@@ -447,7 +449,7 @@ class CacheBlendEngine:
         """Yield the answer's text pieces as they are decoded; `stats`, if given, gets the prefill's stats, then
         decoding's. Stopping the iteration (or closing the generator) stops decoding at the next token."""
         if request.prompt is not None:
-            self._prompt_text(request.prompt)  # a chat prompt needs a chat template: fail here, not at next()
+            self._prompt_text(request.prompt, request.tools)  # a chat prompt needs a chat template: fail here, not at next()
         sampling = request.sampling
 
         def decode_prefill(pre: Prefill, streamer, cancel) -> torch.Tensor:

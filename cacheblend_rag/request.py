@@ -42,6 +42,7 @@ class Request:
     policy: Policy = field(default_factory=CacheBlend)
     auto_ratio: bool = False
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    tools: tuple[dict, ...] | None = None  # OpenAI tool specs a chat prompt's template lists (its own tool format)
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.question is None):
@@ -50,6 +51,8 @@ class Request:
             raise ConfigError(f"policy must be a Policy (make_policy builds one by name), got {self.policy!r}")
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be SamplingOptions, got {type(self.sampling).__name__}")
+        if self.tools is not None:
+            object.__setattr__(self, "tools", check_tools(self.tools, self.prompt))
         if self.prompt is not None:
             if self.chunks or self.history or self.template is not None:
                 raise ConfigError("a whole prompt carries its own chunks, turns and template: pass prompt alone, "
@@ -68,15 +71,16 @@ class Request:
     def of(cls, chunks: str | Sequence[str | Chunk] = (), question: str | None = None,
            method: str | Policy = "cacheblend", recompute_ratio: float | str | None = None, *,
            prompt: Prompt | None = None, history: Sequence[dict] = (), template: PromptTemplate | None = None,
-           sampling: SamplingOptions | None = None, **options: Any) -> "Request":
+           sampling: SamplingOptions | None = None, tools: Sequence[dict] | None = None, **options: Any) -> "Request":
         """A request from the keywords every surface takes: `max_new_tokens` (or `max_tokens`), `temperature`,
         `top_p`, `stop`, `seed`, `grammar` go to the sampling options (over `sampling=`), every other keyword is an
-        option of `method`'s policy, built here once; `recompute_ratio="auto"` leaves the ratio to the engine."""
+        option of `method`'s policy, built here once; `recompute_ratio="auto"` leaves the ratio to the engine;
+        `tools` (OpenAI tool specs) go to the chat template of a chat `prompt`."""
         sampling, policy_options = SamplingOptions.split(options, sampling)
         auto = recompute_ratio == "auto"
         policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
         return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
-                   policy=policy, auto_ratio=auto, sampling=sampling)
+                   policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools))
 
 
 def check_question(question: object, what: str = "question") -> None:
@@ -115,4 +119,20 @@ def check_prompt(prompt: object) -> str | tuple[dict, ...]:
     for m in prompt:
         if m["role"] == "user":
             check_question(m["content"], "user message")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, Sequence) or not all(isinstance(c, dict) for c in calls)):
+            raise ConfigError("an assistant message's tool_calls must be a list of {'id', 'type', 'function'} dicts")
     return tuple(prompt)
+
+
+def check_tools(tools: object, prompt: object) -> tuple[dict, ...]:
+    """Tools for the chat template are OpenAI tool specs `{"type": "function", "function": {"name", ...}}`, sent
+    with chat messages (a string prompt or a question has no chat template call to list them in)."""
+    if isinstance(prompt, str) or not isinstance(prompt, Sequence):
+        raise ConfigError("tools= lists tools in the chat template: pass the prompt as chat messages, or leave tools "
+                          "out (the generic tool format puts them in the messages' system text)")
+    if isinstance(tools, (str, dict)) or not isinstance(tools, Sequence) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools):
+        raise ConfigError('tools must be a list of {"type": "function", "function": {"name", "parameters"}} specs')
+    return tuple(tools)

@@ -1,7 +1,12 @@
-"""Tool calling in a generic text format, for chat templates without one (the default SmolLM2's has none).
+"""Tool calling: in the chat template's own format where it has one (`ToolFormat`, learned from the template), else
+in a generic text format (the default SmolLM2's template has none).
+
+A native format (Qwen2.5/3's Hermes blocks, Llama 3.1's bare JSON, Mistral's `[TOOL_CALLS]` list, ...) leaves the
+tools to the template (`Request.tools` reaches `apply_chat_template(tools=...)`), past calls and results to its
+own `tool_calls` and `tool` messages, and the grammar forces the template's own call syntax. The generic one:
 
 Tools are OpenAI function specs (`{"type": "function", "function": {"name", "description", "parameters"}}`).
-The format (documented in docs/integrations.md), in plain chat messages any template renders:
+The generic format (documented in docs/integrations.md), in plain chat messages any template renders:
 
 - a system message lists the tools as JSON inside `<tools>...</tools>` and says how to call one;
 - the model calls a tool by answering exactly `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`
@@ -13,7 +18,9 @@ The format (documented in docs/integrations.md), in plain chat messages any temp
 `tool_choice`: "auto" (a call or a plain answer that does not start with "<"), "required" (alias "any": a call),
 a tool's name (a call to that tool), "none" (plain text that does not start with "<"; the tools stay listed, in
 the same system text whatever the choice, so an agent's steps share their prompt's start). One call per answer,
-or with `parallel=True` (OpenAI's `parallel_tool_calls`) one or more, a call per line.
+or with `parallel=True` (OpenAI's `parallel_tool_calls`) one or more, a call per line. A native format's plain
+text may not start like its calls (its prefix's first character, or "{" for a bare JSON call), and parallel
+calls are joined as its template joins them (one call only where the template writes one per turn).
 """
 
 from __future__ import annotations
@@ -27,11 +34,10 @@ from typing import Any
 
 from .decode.grammar import Grammar, with_json_options
 from .errors import ConfigError
+from .tool_format import GENERIC, RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, ToolFormat
 
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
 CHOICES = ("auto", "none", "required")
-PLAIN_TEXT = r"/[^<][\s\S]*/"  # Lark: text that does not start with "<", so it can never be a malformed call
+PLAIN_TEXT = GENERIC.plain_text  # Lark: text that does not start with "<", so it can never be a malformed call
 
 
 @dataclass(frozen=True)
@@ -91,29 +97,30 @@ def closed(schema: Any) -> Any:
     return out
 
 
-def call_schema(functions: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON schema of one call `{"name", "arguments"}` to any of these functions."""
-    options = [{"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": closed(fn["parameters"])},
-                "required": ["name", "arguments"], "additionalProperties": False} for fn in functions]
+def call_schema(functions: Sequence[dict[str, Any]], fmt: ToolFormat = GENERIC) -> dict[str, Any]:
+    """The JSON schema of one call `{"name", "arguments"}` (the format's keys, in its order) to any of these
+    functions."""
+    options = [{"type": "object", "properties": fmt.call_json({"const": fn["name"]}, closed(fn["parameters"])),
+                "required": list(fmt.call_json("", {})), "additionalProperties": False} for fn in functions]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def tool_grammar(functions: Sequence[dict[str, Any]], choice: str,
-                 answer: dict[str, Any] | None = None, parallel: bool = False) -> Grammar | None:
+def tool_grammar(functions: Sequence[dict[str, Any]], choice: str, answer: dict[str, Any] | None = None,
+                 parallel: bool = False, fmt: ToolFormat = GENERIC) -> Grammar | None:
     """The grammar for an answer under `choice`: a call, or a call or plain text ("auto"); for "none", plain text.
     `answer`: a JSON schema the plain answer must match instead ("auto" with a response format: a call or that
-    JSON, which starts with "{" and so can never be a malformed call). `parallel`: one or more calls, a line each."""
+    JSON, which the call parser tells apart). `parallel`: one or more calls, joined as `fmt` joins them."""
+    text = fmt.plain_text
     if choice == "none":  # plain text that cannot start a call (or the response format's JSON)
-        return Grammar.lark(f"start: {PLAIN_TEXT}\n") if answer is None else Grammar.json_schema(answer)
+        return Grammar.lark(f"start: {text}\n") if answer is None else Grammar.json_schema(answer)
     targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
     # JSON embedded in Lark gets the same spacing options as a plain schema: without them whitespace is free
     # inside a call, and SmolLM2 emitted newlines after `"arguments": {` until max_tokens
-    call = f'call: "{TOOL_OPEN}" %json {json.dumps(with_json_options(call_schema(targets)))} "{TOOL_CLOSE}"'
-    calls = f'calls: call ("\\n" call)*\n{call}' if parallel else f"calls: call\n{call}"
+    calls = fmt.calls_rule(json.dumps(with_json_options(call_schema(targets, fmt))), parallel)
     if choice == "auto" and answer is not None:
         return Grammar.lark(f"start: calls | answer\n{calls}\nanswer: %json {json.dumps(with_json_options(answer))}\n")
-    if choice == "auto":  # plain text may not start with "<", so it can never be a malformed call
-        return Grammar.lark(f"start: calls | text\n{calls}\ntext: {PLAIN_TEXT}\n")
+    if choice == "auto":  # plain text may not start like a call, so it can never be a malformed one
+        return Grammar.lark(f"start: calls | text\n{calls}\ntext: {text}\n")
     return Grammar.lark(f"start: calls\n{calls}\n")
 
 
@@ -166,17 +173,36 @@ def with_tools_prompt(messages: Sequence[dict[str, str]], functions: Sequence[di
     return with_system_text(messages, tools_prompt(functions, parallel))
 
 
-def tool_turn(messages: Sequence[dict[str, str]], tools: Sequence[dict[str, Any]], choice: Any = None,
-              parallel: bool = False) -> tuple[list[dict[str, str]], Grammar | None, list[dict[str, Any]]]:
-    """(messages, grammar, functions to parse calls of) for one answer with these OpenAI tool specs bound: the
-    tools' system text added and the grammar `choice` asks for; no functions to parse under "none". Without tools,
-    the messages as they are and no grammar."""
+@dataclass(frozen=True)
+class ToolTurn:
+    """One answer's tool calling: the chat messages to render, the grammar of the answer, the functions its calls
+    are parsed for (none under "none"), and the tools the chat template lists itself (a native format), if any."""
+
+    messages: list[dict[str, Any]]
+    grammar: Grammar | None = None
+    functions: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None  # for `Request.tools`
+
+
+def tool_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], choice: Any = None,
+              parallel: bool = False, fmt: ToolFormat = GENERIC) -> ToolTurn:
+    """One answer with these OpenAI tool specs bound, in `fmt` (`ToolFormat.of(tokenizer)`): the generic format
+    adds the tools' system text to the messages, a native one hands the tools to the chat template; the grammar
+    `choice` asks for. Without tools, the messages as they are and no grammar."""
     functions = functions_of(tools)
     if not functions:
-        return list(messages), None, []
+        return ToolTurn(list(messages))
     choice = normalize_choice(choice, [f["name"] for f in functions])
-    grammar = tool_grammar(functions, choice, parallel=parallel)
-    return with_tools_prompt(messages, functions, parallel), grammar, [] if choice == "none" else functions
+    grammar = tool_grammar(functions, choice, parallel=parallel, fmt=fmt)
+    called = [] if choice == "none" else functions
+    if fmt.native:
+        return ToolTurn(list(messages), grammar, called, template_tools(functions))
+    return ToolTurn(with_tools_prompt(messages, functions, parallel), grammar, called)
+
+
+def template_tools(functions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checked functions as the OpenAI tool specs chat templates take (`apply_chat_template(tools=...)`)."""
+    return [{"type": "function", "function": dict(fn)} for fn in functions]
 
 
 def schema_prompt(schema: dict[str, Any]) -> str:
@@ -206,31 +232,46 @@ def render_result(content: str) -> dict[str, str]:
     return {"role": "user", "content": f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"}
 
 
-def may_be_call(text: str) -> bool:
+def may_be_call(text: str, fmt: ToolFormat = GENERIC) -> bool:
     """Whether streamed text so far is, or may still become, a call (so a stream holds it back)."""
-    text = text.lstrip()
-    return text.startswith(TOOL_OPEN) or TOOL_OPEN.startswith(text)
+    text, opener = text.lstrip(), fmt.opener
+    return text.startswith(opener) or opener.startswith(text)
 
 
-def parse_tool_calls(text: str, functions: Sequence[dict[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
-    """(plain content, calls) of an answer: a well-formed call to a known tool becomes a ToolCall; anything else
-    stays content (a call cut by max_tokens, or text in a format the grammar did not force)."""
-    stripped = text.strip()
-    if not stripped.startswith(TOOL_OPEN):
+def _after(text: str, literal: str) -> str | None:
+    """The text after `literal` at its start, whitespace around and inside the literal free (None: not there)."""
+    for part in literal.split():
+        text = text.lstrip()
+        if not text.startswith(part):
+            return None
+        text = text[len(part):]
+    return text
+
+
+def parse_tool_calls(text: str, functions: Sequence[dict[str, Any]] = (),
+                     fmt: ToolFormat = GENERIC) -> tuple[str, list[ToolCall]]:
+    """(plain content, calls) of an answer in `fmt`: well-formed calls to known tools become ToolCalls; anything
+    else stays content (a call cut by max_tokens, or text in a format the grammar did not force)."""
+    rest = _after(text, fmt.prefix)
+    if rest is None or not rest.lstrip().startswith("{"):
         return text, []
-    calls, rest = [], stripped
+    name_key, args_key = fmt.keys
     known = {fn["name"] for fn in functions}
-    decoder = json.JSONDecoder()
-    while rest.startswith(TOOL_OPEN):
-        # the JSON value first, then the closing tag: a string argument may itself contain "</tool_call>"
-        body = rest[len(TOOL_OPEN):]
+    decoder, calls = json.JSONDecoder(), []
+    while True:
+        # the JSON value first, then the closing text: a string argument may itself contain "</tool_call>"
         try:
-            call, end = decoder.raw_decode(body, len(body) - len(body.lstrip()))
+            call, end = decoder.raw_decode(rest, len(rest) - len(rest.lstrip()))
         except json.JSONDecodeError:
             return text, []
-        after = body[end:].lstrip()
-        if not after.startswith(TOOL_CLOSE) or not isinstance(call, dict) or (known and call.get("name") not in known):
-            return text, []
-        calls.append(ToolCall(call["name"], copy.deepcopy(call.get("arguments") or {})))
-        rest = after[len(TOOL_CLOSE):].strip()
-    return (rest, calls) if calls else (text, [])
+        if not isinstance(call, dict) or not isinstance(call.get(name_key), str) or (
+                known and call[name_key] not in known) or (not fmt.prefix.strip() and set(call) - set(fmt.keys)):
+            return text, []  # (a bare-JSON format: a JSON answer with other keys is not a call)
+        calls.append(ToolCall(call[name_key], copy.deepcopy(call.get(args_key) or {})))
+        after = rest[end:]
+        following = _after(after, fmt.between) if fmt.between is not None else None
+        if following is not None and following.lstrip().startswith("{"):
+            rest = following
+            continue
+        done = _after(after, fmt.suffix)
+        return (done.strip(), calls) if done is not None else (text, [])

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,6 +34,7 @@ from ..errors import (
     PromptTooLongError,
     VectorStoreError,
 )
+from ..tool_format import GENERIC, ToolFormat
 from .limits import RequestGuard, check_fits, max_token_chars
 from .metrics import ServerMetrics
 from .runner import EngineCall, Retriever, admit_documents, make_scheduler
@@ -230,13 +231,18 @@ class _Server:
             if not users:
                 raise APIError(400, "messages need at least one user message (the question)", code="invalid_value")
             question = users[-1].text()
-            plan = plan_chat(body)
+            # the chat template renders the whole chat (its own tool format, if any) only without documents: on
+            # the documents path the engine's prompt template places the turns, as text
+            whole = not (body.documents or body.chunk_ids or body.retrieval)
+            plan = plan_chat(body, ToolFormat.of(self.engine.tokenizer) if whole else GENERIC)
         except (ValueError, ConfigError) as e:
             raise APIError(400, str(e), code="invalid_value") from e
         if plan.system_text:
             system = f"{system}\n\n{plan.system_text}" if system else plan.system_text
         call = self._call(body, question, system, self.config.default_max_tokens, tuple(plan.messages),
                           plan.grammar)
+        if plan.tools is not None:
+            call = replace(call, tools=tuple(plan.tools))
         return call, plan
 
     def completion_call(self, body: CompletionRequest) -> EngineCall:
@@ -321,7 +327,7 @@ class _Server:
             choice: dict = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
             if chat:
                 choice["message"], choice["finish_reason"] = answer_message(
-                    text, event.finish_reason, plan.functions if plan else ())
+                    text, event.finish_reason, plan.functions if plan else (), plan.format if plan else GENERIC)
             else:
                 choice["text"] = text
             return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -335,7 +341,7 @@ class _Server:
         """SSE chunks: the role, content (or tool-call) deltas, the finish reason, usage (if asked), then [DONE]."""
         created, model = int(time.time()), self.config.model_name
         include_usage = body.include_usage()
-        calls = CallStream(plan.functions) if plan is not None and plan.functions else None
+        calls = CallStream(plan.functions, plan.format) if plan is not None and plan.functions else None
 
         def chunk(content: str | dict | None, finish_reason: str | None = None, role: bool = False) -> dict:
             if chat:

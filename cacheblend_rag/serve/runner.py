@@ -42,6 +42,7 @@ class EngineCall:
     retrieval: tuple[str, int] | None = None  # (collection, k)
     policy: Policy = field(default_factory=CacheBlend)  # built once from the body's `cacheblend` field
     auto_ratio: bool = False  # recompute_ratio "auto": the loading controller chooses it
+    tools: tuple[dict, ...] | None = None  # listed by the chat template (its own tool format; no documents)
 
 
 class Retriever:
@@ -97,7 +98,8 @@ def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Reque
     """The engine's request for a call (its retrieval run here); `stats` gets `num_retrieved`."""
     if not call.documents and call.retrieval is None:
         prompt = call.messages if call.messages else call.question
-        return Request(prompt=prompt, policy=call.policy, auto_ratio=call.auto_ratio, sampling=call.sampling)
+        return Request(prompt=prompt, policy=call.policy, auto_ratio=call.auto_ratio, sampling=call.sampling,
+                       tools=call.tools)
     chunks = list(call.documents)
     if call.retrieval is not None:
         collection, k = call.retrieval

@@ -1,10 +1,13 @@
-"""OpenAI tool calling and structured output for `/v1/chat/completions`, on `cacheblend_rag.tools`' generic format.
+"""OpenAI tool calling and structured output for `/v1/chat/completions`, in the chat template's own tool format or
+`cacheblend_rag.tools`' generic one.
 
-A request's `tools`, `tool_choice` and `response_format` become a `ChatPlan`: the chat messages with the tools' (or
-the schema's) system text, and the grammar the answer must match (`tools.tool_grammar` / `tools.response_schema`,
-the same ones `ChatCacheBlend.bind_tools` and `with_structured_output` use). History comes back in the same
-format: an assistant message's `tool_calls` as `<tool_call>` text, a `tool` message as a `<tool_response>` user
-message (its content verbatim, so stored chunks in a retriever tool's result are reused).
+A request's `tools`, `tool_choice` and `response_format` become a `ChatPlan`: the chat messages (with the tools'
+system text in the generic format; a template with its own format lists them itself, `ChatPlan.tools`) and the
+grammar the answer must match (`tools.tool_grammar` / `tools.response_schema`, the same ones
+`ChatCacheBlend.bind_tools` and `with_structured_output` use). History comes back in the same format: natively,
+an assistant message's `tool_calls` and `tool` messages as the template renders them; generically, calls as
+`<tool_call>` text and a `tool` message as a `<tool_response>` user message (its content verbatim either way, so
+stored chunks in a retriever tool's result are reused).
 
 The answer becomes `message.tool_calls` (`answer_message`); streamed, `CallStream` turns text pieces into the
 deltas the OpenAI SDK accumulates: content, or one call's header (index, id, type, name, arguments "") followed by
@@ -23,6 +26,7 @@ from typing import Any
 from .. import tools as generic_tools
 from ..decode.grammar import Grammar
 from ..errors import ConfigError
+from ..tool_format import GENERIC, ToolFormat
 from .schemas import ChatCompletionRequest, ChatMessage
 
 
@@ -34,34 +38,39 @@ class ChatPlan:
     system_text: str | None = None  # the tools' or schema's instructions (also for the documents path's template)
     grammar: Grammar | None = None
     functions: list[dict[str, Any]] = field(default_factory=list)  # the tools an answer may call (parsed for)
+    tools: list[dict[str, Any]] | None = None  # listed by the chat template (its own tool format), for the request
+    format: ToolFormat = GENERIC  # how calls are written (parsed and streamed)
 
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def render_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """`[{"role", "content"}]` for the chat template: calls and results in the generic tool format."""
-    out = []
+def render_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) -> list[dict[str, Any]]:
+    """`[{"role", "content"}]` for the chat template: calls and results in the tool format `fmt`."""
+    out: list[dict[str, Any]] = []
     for m in messages:
         if m.role in ("tool", "function"):
-            out.append(generic_tools.render_result(m.text()))
+            out.append({"role": "tool", "content": m.text(), "tool_call_id": getattr(m, "tool_call_id", None)})
             continue
-        text = m.text()
+        out.append({"role": m.role, "content": m.text()})
+        calls = []
         for call in m.tool_calls or []:
             try:
                 arguments = json.loads(call.function.arguments or "{}")
             except json.JSONDecodeError as e:
                 raise ConfigError(f"tool call {call.function.name!r} of an assistant message: arguments are not "
                                   f"JSON ({e}); send them as the JSON text the call returned") from None
-            text += generic_tools.render_call(call.function.name, arguments)
-        out.append({"role": m.role, "content": text})
-    return out
+            calls.append({"id": getattr(call, "id", None), "name": call.function.name, "arguments": arguments})
+        if calls:
+            out[-1]["tool_calls"] = calls
+    return fmt.chat_messages(out)
 
 
-def plan_chat(body: ChatCompletionRequest) -> ChatPlan:
-    """The plan of one chat request; ConfigError (a 400) for an unknown tool_choice, a bad schema, ..."""
-    messages = render_messages(body.messages)
+def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat = GENERIC) -> ChatPlan:
+    """The plan of one chat request in the tool format `fmt` (`ToolFormat.of(tokenizer)` where the chat template
+    renders the whole chat); ConfigError (a 400) for an unknown tool_choice, a bad schema, ..."""
+    messages = render_messages(body.messages, fmt)
     answer = generic_tools.response_schema(body.response_format.as_dict() if body.response_format else None)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     if not tools:
@@ -76,13 +85,16 @@ def plan_chat(body: ChatCompletionRequest) -> ChatPlan:
     functions = generic_tools.functions_of(tools)
     choice = generic_tools.normalize_choice(body.tool_choice, [f["name"] for f in functions])
     parallel = bool(body.parallel_tool_calls)  # asked for: a small model left free repeats its call
-    text = generic_tools.tools_prompt(functions, parallel)
+    # a native format's template lists the tools itself: only the response format's line goes to the system text
+    lines = [] if fmt.native else [generic_tools.tools_prompt(functions, parallel)]
     if answer is not None and choice in ("auto", "none"):
-        text += "\n" + (generic_tools.schema_prompt(answer) if body.response_format.type == "json_schema"
-                        else "Otherwise answer with only a JSON object.")
-    grammar = generic_tools.tool_grammar(functions, choice, answer, parallel)
-    return ChatPlan(generic_tools.with_system_text(messages, text), text, grammar,
-                    [] if choice == "none" else functions)
+        lines.append(generic_tools.schema_prompt(answer) if body.response_format.type == "json_schema"
+                     else "Otherwise answer with only a JSON object.")
+    text = "\n".join(lines) or None
+    grammar = generic_tools.tool_grammar(functions, choice, answer, parallel, fmt)
+    chat = generic_tools.with_system_text(messages, text) if text else messages
+    return ChatPlan(chat, text, grammar, [] if choice == "none" else functions,
+                    generic_tools.template_tools(functions) if fmt.native else None, fmt)
 
 
 def tool_call_json(call: generic_tools.ToolCall, index: int | None = None) -> dict[str, Any]:
@@ -91,22 +103,33 @@ def tool_call_json(call: generic_tools.ToolCall, index: int | None = None) -> di
     return out if index is None else {"index": index, **out}
 
 
-def answer_message(text: str, finish_reason: str, functions: Sequence[dict[str, Any]]) -> tuple[dict, str]:
+def answer_message(text: str, finish_reason: str, functions: Sequence[dict[str, Any]],
+                   fmt: ToolFormat = GENERIC) -> tuple[dict, str]:
     """(the assistant message, its finish_reason): a well-formed call becomes `tool_calls` with null content and
     finish_reason "tool_calls"; anything else (a call cut by max_tokens included) stays content."""
-    content, calls = generic_tools.parse_tool_calls(text, functions) if functions else (text, [])
+    content, calls = generic_tools.parse_tool_calls(text, functions, fmt) if functions else (text, [])
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
     return ({"role": "assistant", "content": content.strip() or None,
              "tool_calls": [tool_call_json(c) for c in calls]}, "tool_calls")
 
 
-# `<tool_call>{"name": "NAME", "arguments": ` — the grammar writes the call's keys in its schema's order
-_HEAD = re.compile(r'\s*' + re.escape(generic_tools.TOOL_OPEN) + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,'
-                   r'\s*"arguments"\s*:\s*')
 _DECODER = json.JSONDecoder()
-_CLOSING = re.compile(r'\s*\}\s*' + re.escape(generic_tools.TOOL_CLOSE))
-_TAIL = re.compile(r'\}\s*' + re.escape(generic_tools.TOOL_CLOSE) + r'\s*$')
+
+
+def _spaced(literal: str) -> str:
+    """A regex of a literal text, whitespace around and inside it free."""
+    return r"\s*" + r"\s*".join(re.escape(part) for part in literal.split())
+
+
+def _head(fmt: ToolFormat) -> re.Pattern | None:
+    """`<tool_call>{"name": "NAME", "arguments": ` in the format (the grammar writes the call's keys in its
+    schema's order); None when the name does not come first (such calls go out whole at the end)."""
+    if not fmt.name_first:
+        return None
+    name_key, args_key = (re.escape(json.dumps(k)) for k in fmt.keys)
+    return re.compile(_spaced(fmt.prefix) + r'\s*\{\s*' + name_key + r'\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
+                      + args_key + r'\s*:\s*')
 
 
 class CallStream:
@@ -119,8 +142,13 @@ class CallStream:
     A call whose text does not match that shape goes out whole at the end, or as content when it is not a
     well-formed call (cut by max_tokens)."""
 
-    def __init__(self, functions: Sequence[dict[str, Any]]) -> None:
+    def __init__(self, functions: Sequence[dict[str, Any]], fmt: ToolFormat = GENERIC) -> None:
         self.functions = list(functions)
+        self.format = fmt
+        # calls streamed one by one where each is framed alone (a Mistral-style list goes out whole at the end)
+        self.head = _head(fmt) if fmt.between is None or fmt.call_separator is not None else None
+        self.closing = re.compile(r"\s*\}" + _spaced(fmt.suffix))
+        self.tail = re.compile(r"\}" + _spaced(fmt.suffix) + r"\s*$")
         self.text = ""  # everything seen
         self.mode = "undecided"  # "text" once it cannot be a call, "args" once the call's header went out
         self.args_start = 0  # where the arguments' text starts in `text`
@@ -142,7 +170,7 @@ class CallStream:
             _, end = _DECODER.raw_decode(args, len(args) - len(args.lstrip()))
         except json.JSONDecodeError:
             return None
-        closing = _CLOSING.match(args, end)
+        closing = self.closing.match(args, end)
         return None if closing is None else (self.args_start + end, self.args_start + closing.end())
 
     def feed(self, piece: str) -> list[dict]:
@@ -154,10 +182,10 @@ class CallStream:
             stripped = self.text.lstrip()
             if not stripped:
                 return []
-            if not generic_tools.may_be_call(stripped):
+            if not generic_tools.may_be_call(stripped, self.format):
                 self.mode = "text"
                 return [{"content": stripped}]
-            head = _HEAD.match(self.text)
+            head = self.head.match(self.text) if self.head is not None else None
             if head is None:
                 return []
             try:
@@ -184,14 +212,15 @@ class CallStream:
     def _release(self, final: bool) -> list[dict]:
         args = self.text[self.args_start:]
         if final:
-            tail = _TAIL.search(args)
+            tail = self.tail.search(args)
             end = tail.start() if tail else len(args)
         else:  # hold back from the last "}" when all after it may still be the closing `}</tool_call>`
             end = len(args.rstrip())
             brace = args.rfind("}")
             if brace >= 0:
                 after = args[brace + 1:].lstrip()
-                if generic_tools.TOOL_CLOSE.startswith(after) or after.startswith(generic_tools.TOOL_CLOSE):
+                close = self.format.suffix.strip()
+                if close.startswith(after) or after.startswith(close):
                     end = min(end, brace)
         if end <= self.sent:
             return []
@@ -204,7 +233,7 @@ class CallStream:
             return self._release(final=True)
         if self.mode == "text" or not self.text.strip():
             return []
-        content, calls = generic_tools.parse_tool_calls(self.text, self.functions)
+        content, calls = generic_tools.parse_tool_calls(self.text, self.functions, self.format)
         if not calls:
             self.mode = "text"
             return [{"content": self.text.strip()}]

@@ -5,8 +5,10 @@ chat template and reuses the cached KV of every stored chunk that appears in the
 prompt, template or separators the user's chain put around the chunks.
 
 Tool calling and structured output run on the engine's constrained decoding (`SamplingOptions.grammar`): bound
-tools use `cacheblend_rag.tools`' generic format (a call is `<tool_call>{"name", "arguments"}</tool_call>`, a
-tool's result a `<tool_response>` user message), and `response_format` a JSON schema the answer must match.
+tools use the chat template's own tool format where it has one (`ToolFormat.of`: the template lists the tools
+and renders calls and `tool` results itself; the grammar forces its call syntax), else `cacheblend_rag.tools`'
+generic format (a call is `<tool_call>{"name", "arguments"}</tool_call>`, a tool's result a `<tool_response>` user
+message), and `response_format` a JSON schema the answer must match.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.prefill import stats_summary
 from cacheblend_rag.request import Request
+from cacheblend_rag.tool_format import GENERIC, ToolFormat
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
@@ -90,13 +93,14 @@ def _text(message: BaseMessage) -> str:
     return "".join(parts)
 
 
-def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+def to_chat_messages(messages: Sequence[BaseMessage], fmt: ToolFormat = GENERIC) -> list[dict[str, Any]]:
     """LangChain messages as `[{"role", "content"}]` for the model's chat template: an AIMessage's tool calls and
-    a ToolMessage's result are written in the generic tool format (`cacheblend_rag.tools`), results verbatim."""
-    out = []
+    a ToolMessage's result in the tool format `fmt` (`ToolFormat.of(tokenizer)`: the template's own `tool_calls`
+    and `tool` messages, or the generic format's text), results verbatim."""
+    out: list[dict[str, Any]] = []
     for message in messages:
         if isinstance(message, ToolMessage):
-            out.append(generic_tools.render_result(_text(message)))
+            out.append({"role": "tool", "content": _text(message), "tool_call_id": message.tool_call_id})
             continue
         if isinstance(message, ChatMessage):
             role = message.role
@@ -105,11 +109,11 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
         else:
             raise ConfigError(f"ChatCacheBlend cannot take a {type(message).__name__}; pass system, human, AI "
                               f"and tool messages")
-        text = _text(message)
+        out.append({"role": role, "content": _text(message)})
         if isinstance(message, AIMessage) and message.tool_calls:
-            text += "".join(generic_tools.render_call(c["name"], c["args"]) for c in message.tool_calls)
-        out.append({"role": role, "content": text})
-    return out
+            out[-1]["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c["args"]}
+                                     for c in message.tool_calls]
+    return fmt.chat_messages(out)
 
 
 def _check_complete(message: BaseMessage) -> BaseMessage:
@@ -185,16 +189,16 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         return params
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence | None = None) -> int:
-        """Prompt tokens of these messages as the model's chat template renders them (with `tools`: and the
-        tools' system text of the generic tool format, as `bind_tools` adds it)."""
+        """Prompt tokens of these messages as the model's chat template renders them (with `tools`: listed as
+        `bind_tools` lists them, by the template or in the generic format's system text)."""
         tokenizer = self.get_engine().tokenizer
-        rendered = to_chat_messages(messages)
-        if tools:
-            functions = generic_tools.functions_of([convert_to_openai_tool(t) for t in tools])
-            rendered = generic_tools.with_tools_prompt(rendered, functions)
+        fmt = ToolFormat.of(tokenizer)
+        turn = generic_tools.tool_turn(to_chat_messages(messages, fmt),
+                                       [convert_to_openai_tool(t) for t in tools or ()], fmt=fmt)
+        rendered = turn.messages
         if getattr(tokenizer, "chat_template", None):
-            return len(tokenizer.apply_chat_template(rendered, tokenize=True, add_generation_prompt=True,
-                                                     return_dict=True)["input_ids"])
+            return len(tokenizer.apply_chat_template(rendered, tools=turn.tools, tokenize=True,
+                                                     add_generation_prompt=True, return_dict=True)["input_ids"])
         return sum(len(self.get_token_ids(m["content"])) for m in rendered)
 
     def _settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -206,21 +210,25 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
             settings["grammar"] = generic_tools.response_grammar(kwargs["response_format"])
         return settings
 
-    def _request(self, messages: list[BaseMessage], stop: list[str] | None,
-                 kwargs: dict[str, Any]) -> tuple[list[dict[str, str]], dict[str, Any], list[dict[str, Any]]]:
-        """(chat messages, engine settings, bound functions) of one call: with tools, the tools' system text is
-        added and the grammar forces a call or a plain answer as `tool_choice` says."""
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]], ToolFormat]:
+        """(chat messages, engine settings, bound functions, the tool format) of one call: with tools, they are
+        listed (by the chat template in its own format, else in the generic format's system text) and the grammar
+        forces a call or a plain answer as `tool_choice` says."""
         settings = self._settings(stop, kwargs)
-        chat = to_chat_messages(messages)
+        fmt = ToolFormat.of(self.get_engine().tokenizer)
+        chat = to_chat_messages(messages, fmt)
         schema = ((kwargs.get("response_format") or {}).get("json_schema") or {}).get("schema")
         if schema is not None:
             chat = generic_tools.with_system_text(chat, generic_tools.schema_prompt(schema))
         # bind_tools(..., parallel_tool_calls=True) lets an answer hold several calls
-        chat, grammar, functions = generic_tools.tool_turn(chat, kwargs.get("tools") or [], kwargs.get("tool_choice"),
-                                                           bool(kwargs.get("parallel_tool_calls")))
-        if grammar is not None:
-            settings["grammar"] = grammar
-        return chat, settings, functions
+        turn = generic_tools.tool_turn(chat, kwargs.get("tools") or [], kwargs.get("tool_choice"),
+                                       bool(kwargs.get("parallel_tool_calls")), fmt)
+        if turn.grammar is not None:
+            settings["grammar"] = turn.grammar
+        if turn.tools is not None:
+            settings["tools"] = turn.tools
+        return turn.messages, settings, turn.functions, fmt
 
     def _metadata(self, engine: CacheBlendEngine, stats: dict) -> dict[str, Any]:
         meta = {"model_name": engine.model_name, "model_provider": "cacheblend", "cacheblend": stats_summary(stats)}
@@ -230,10 +238,10 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
             meta["grammar_satisfied"] = stats["grammar_satisfied"]
         return meta
 
-    def _message(self, text: str, stats: dict, engine: CacheBlendEngine,
-                 functions: list[dict[str, Any]]) -> AIMessage:
+    def _message(self, text: str, stats: dict, engine: CacheBlendEngine, functions: list[dict[str, Any]],
+                 fmt: ToolFormat) -> AIMessage:
         """The answer as an AIMessage: a well-formed call to a bound tool becomes `tool_calls`."""
-        content, calls = generic_tools.parse_tool_calls(text, functions) if functions else (text, [])
+        content, calls = generic_tools.parse_tool_calls(text, functions, fmt) if functions else (text, [])
         return AIMessage(content=content, tool_calls=[_tool_call(c) for c in calls], usage_metadata=usage(stats),
                          response_metadata=self._metadata(engine, stats))
 
@@ -259,7 +267,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         engine = self.get_engine()
-        chat, settings, functions = self._request(messages, stop, kwargs)
+        chat, settings, functions, fmt = self._request(messages, stop, kwargs)
         if self.streaming or self.timeout is not None:  # the stream path is the one that can stop at a deadline
             stats: dict = {}
             text = ""
@@ -267,12 +275,12 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
                 text += piece
                 if run_manager and self.streaming:
                     run_manager.on_llm_new_token(piece, chunk=ChatGenerationChunk(message=AIMessageChunk(content=piece)))
-            message = self._message(text.strip(), stats, engine, functions)
+            message = self._message(text.strip(), stats, engine, functions, fmt)
         else:
             out = engine.generate_request(Request.of(prompt=chat, **settings))
             stats = {**out.stats.as_dict(), "finish_reason": out.finish_reason,
                      "grammar_satisfied": out.grammar_satisfied}
-            message = self._message(out.text, stats, engine, functions)
+            message = self._message(out.text, stats, engine, functions, fmt)
         learn_retrieved(self, run_manager, "\n".join(m["content"] for m in chat))
         return ChatResult(generations=[ChatGeneration(message=message)], llm_output={"model_name": engine.model_name})
 
@@ -284,11 +292,11 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         engine = self.get_engine()
-        chat, settings, functions = self._request(messages, stop, kwargs)
+        chat, settings, functions, fmt = self._request(messages, stop, kwargs)
         stats: dict = {}
         held = ""  # with tools: text that may still become a call is held back until the answer ends
         for piece in self._pieces(engine, chat, settings, stats):
-            if functions and generic_tools.may_be_call(held + piece):
+            if functions and generic_tools.may_be_call(held + piece, fmt):
                 held += piece
                 continue
             piece, held = held + piece, ""
@@ -296,7 +304,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
-        content, calls = generic_tools.parse_tool_calls(held, functions) if held else ("", [])
+        content, calls = generic_tools.parse_tool_calls(held, functions, fmt) if held else ("", [])
         chunks = [{"name": c.name, "args": json.dumps(c.arguments), "id": c.id, "index": i, "type": "tool_call_chunk"}
                   for i, c in enumerate(calls)]
         if content or chunks:

@@ -225,3 +225,41 @@ def test_langgraph_tool_node_loop_reuses_the_previous_step_and_the_tool_results_
     first, second = (r.response_metadata["cacheblend"] for r in replies[:2])
     assert second["num_prefix_rows"] >= first["num_tokens"] - 16, (first, second)  # whole 16-token blocks
     assert set(second["chunk_hits"]) == {chunk_id(p) for p in passages}, second
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama_json", "mistral"])
+def test_bind_tools_on_a_template_with_its_own_tool_format(name):
+    """A chat template with its own tool format (tests/chat_templates: the Hermes, Llama-3.1-JSON and Mistral
+    shapes) gets its own syntax: the template lists the tools, the answer is a call in its syntax, the call and a
+    ToolMessage go back as its own tool_calls and tool messages, and the result's stored chunk is a hit."""
+    import copy
+    from pathlib import Path
+
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.tool_format import ToolFormat
+    from langchain_cacheblend import to_chat_messages
+
+    base = shared_engine()
+    tokenizer = copy.copy(base.tokenizer)
+    tokenizer.chat_template = (Path(__file__).resolve().parents[3] / "tests" / "chat_templates"
+                               / f"{name}.jinja").read_text()
+    engine = CacheBlendEngine(base.model, tokenizer, None)
+    fmt = ToolFormat.of(tokenizer)
+    bound = ChatCacheBlend(engine=engine, max_tokens=64).bind_tools([magic_function], tool_choice="any")
+    query = "What is the value of magic_function(3)? Use the tool."
+    reply = bound.invoke(query)
+    assert fmt.native and [c["name"] for c in reply.tool_calls] == ["magic_function"]
+    assert isinstance(reply.tool_calls[0]["args"]["input"], int) and reply.content == ""
+    streamed = list(bound.stream(query))
+    full = streamed[0]
+    for c in streamed[1:]:
+        full = full + c
+    assert [(c["name"], c["args"]) for c in full.tool_calls] == [(c["name"], c["args"]) for c in reply.tool_calls]
+
+    result = (Path(__file__).resolve().parents[3] / "examples" / "data" / "04_honey.txt").read_text()
+    (result_id,) = engine.ingest(result, show_progress=False)
+    history = [HumanMessage(query), reply, ToolMessage(result, tool_call_id=reply.tool_calls[0]["id"])]
+    rendered = to_chat_messages(history, fmt)
+    assert rendered[1]["tool_calls"][0]["function"]["name"] == "magic_function" and rendered[2]["role"] == "tool"
+    answer = bound.bind(tool_choice="none").invoke(history, max_tokens=4)
+    assert not answer.tool_calls and answer.response_metadata["cacheblend"]["chunk_hits"] == [result_id]

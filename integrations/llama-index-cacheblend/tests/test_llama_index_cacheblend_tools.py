@@ -159,3 +159,35 @@ def test_function_agent_with_a_query_engine_tool_reuses_the_retrieved_chunks(llm
     assert called, "the agent never called its query engine tool"
     assert called[0].tool_output.raw_output.source_nodes[0].node.text == PASSAGE
     assert engine_llm.last_stats["chunk_hits"] == [chunk_id(PASSAGE)], engine_llm.last_stats
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama_json", "mistral"])
+def test_a_template_with_its_own_tool_format_gets_its_calls_and_tool_messages(li_engine, name):
+    """A chat template with its own tool format (tests/chat_templates: Hermes, Llama-3.1-JSON and Mistral shapes):
+    the call is parsed from its syntax, and the call and the tool's result go back as its own messages, the
+    stored passage inside the result reused."""
+    import copy
+    from pathlib import Path
+
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.tool_format import ToolFormat
+    from llama_index.llms.cacheblend.base import to_chat_messages
+
+    tokenizer = copy.copy(li_engine.tokenizer)
+    tokenizer.chat_template = (Path(__file__).resolve().parents[3] / "tests" / "chat_templates"
+                               / f"{name}.jinja").read_text()
+    engine = CacheBlendEngine(li_engine.model, tokenizer, None)
+    llm = CacheBlendLLM(engine=engine, max_new_tokens=48)
+    tool = FunctionTool.from_defaults(lookup_passage)
+    response = llm.chat_with_tools([tool], user_msg="How long does a queen take?", tool_required=True)
+    (selection,) = llm.get_tool_calls_from_response(response)
+    assert selection.tool_name == "lookup_passage" and isinstance(selection.tool_kwargs.get("topic"), str)
+
+    (passage_id,) = engine.ingest([PASSAGE], show_progress=False)
+    messages = [ChatMessage(role=MessageRole.USER, content="How long does a queen take?"), response.message,
+                ChatMessage(role=MessageRole.TOOL, content=PASSAGE,
+                            additional_kwargs={"tool_call_id": selection.tool_id})]
+    rendered = to_chat_messages(messages, ToolFormat.of(tokenizer))
+    assert rendered[1]["tool_calls"][0]["function"]["name"] == "lookup_passage" and rendered[2]["role"] == "tool"
+    answer = llm.chat(messages, tools=[tool.metadata.to_openai_tool()], tool_choice="none", max_new_tokens=4)
+    assert answer.additional_kwargs["chunk_hits"] == [passage_id]

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from cacheblend_rag import tools as generic_tools
+from cacheblend_rag.tool_format import GENERIC, ToolFormat
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.fuse.prefill import stats_summary
 from cacheblend_rag.errors import ConfigError
@@ -49,7 +50,7 @@ __all__ = ["CacheBlendLLM", "QueryStatsHandler"]
 logger = logging.getLogger(__name__)
 
 CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed",
-                 "stop", "do_sample", "chunks", "question", "formatted", "grammar")
+                 "stop", "do_sample", "chunks", "question", "formatted", "grammar", "tools")
 
 
 def _call_settings() -> set[str]:
@@ -186,24 +187,26 @@ _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.AS
           MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant", MessageRole.DEVELOPER: "system"}
 
 
-def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+def to_chat_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) -> list[dict[str, Any]]:
     """LlamaIndex chat messages as `[{"role", "content"}]` for the model's chat template: an assistant message's
-    tool calls (`additional_kwargs["tool_calls"]`) and a tool message's result are written in the generic tool
-    format (`cacheblend_rag.tools`), results verbatim, so stored chunks inside a tool's output are found."""
-    out = []
+    tool calls (`additional_kwargs["tool_calls"]`) and a tool message's result in the tool format `fmt`
+    (`ToolFormat.of(tokenizer)`: the template's own `tool_calls` and `tool` messages, or the generic format's
+    text), results verbatim, so stored chunks inside a tool's output are found."""
+    out: list[dict[str, Any]] = []
     for m in messages:
         if m.role == MessageRole.TOOL:
-            out.append(generic_tools.render_result(m.content or ""))
+            out.append({"role": "tool", "content": m.content or "",
+                        "tool_call_id": m.additional_kwargs.get("tool_call_id")})
             continue
         role = _ROLES.get(m.role)
         if role is None:
             raise ConfigError(f"CacheBlendLLM cannot take a {m.role.value!r} message (system, user, assistant and "
                               f"tool messages only)")
-        text = m.content or ""
-        for call in m.additional_kwargs.get("tool_calls") or ():
-            text += generic_tools.render_call(call["name"], call["arguments"])
-        out.append({"role": role, "content": text})
-    return out
+        out.append({"role": role, "content": m.content or ""})
+        calls = m.additional_kwargs.get("tool_calls")
+        if calls:
+            out[-1]["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c["arguments"]} for c in calls]
+    return fmt.chat_messages(out)
 
 
 def _call_kwargs(call: generic_tools.ToolCall) -> dict[str, Any]:
@@ -218,7 +221,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     verbatim in the prompts reuse their KV. `complete(prompt, chunks=[...], question=...)` answers from those
     chunks explicitly. `context_window` and `model_name` are the engine's model's own. It is a function-calling
     LLM (`FunctionAgent`, `predict_and_call`, `structured_predict`, `as_structured_llm`): `chat(messages,
-    tools=[...], tool_choice=...)` constrains decoding to a well-formed call in the generic tool format.
+    tools=[...], tool_choice=...)` constrains decoding to a well-formed call in the chat template's own tool format
+    (`ToolFormat.of`), else the generic one.
 
     Example:
         >>> llm = CacheBlendLLM(engine=engine, max_new_tokens=8)
@@ -328,6 +332,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
             max_new_tokens=gen.get("max_new_tokens", gen.get("max_tokens", self.max_new_tokens)),
             temperature=float(gen.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0,
             top_p=gen.get("top_p", 1.0), seed=gen.get("seed"), stop=gen.get("stop"), grammar=gen.get("grammar"),
+            tools=gen.get("tools"),
         )
 
     def _request(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]) -> tuple[list[str] | None, Request]:
@@ -425,24 +430,28 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         return gen()
 
     def _tool_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
-                      ) -> tuple[list[dict[str, str]], dict[str, Any], list[dict[str, Any]]]:
-        """(chat messages, call kwargs, bound functions): with `tools`, their system text is added and the grammar
-        forces a call or a plain answer as `tool_choice` says (`parallel_tool_calls`: one or more calls)."""
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]], ToolFormat]:
+        """(chat messages, call kwargs, bound functions, the tool format): with `tools`, they are listed (by the
+        chat template in its own format, else in the generic format's system text) and the grammar forces a call
+        or a plain answer as `tool_choice` says (`parallel_tool_calls`: one or more calls)."""
         kwargs = dict(kwargs)
         tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
         parallel = bool(kwargs.pop("parallel_tool_calls", False))
-        chat, grammar, functions = generic_tools.tool_turn(to_chat_messages(messages), tools or [], choice, parallel)
-        if grammar is not None:
-            kwargs["grammar"] = grammar
-        return chat, kwargs, functions
+        fmt = ToolFormat.of(self.engine.tokenizer)
+        turn = generic_tools.tool_turn(to_chat_messages(messages, fmt), tools or [], choice, parallel, fmt)
+        if turn.grammar is not None:
+            kwargs["grammar"] = turn.grammar
+        if turn.tools is not None:
+            kwargs["tools"] = turn.tools
+        return turn.messages, kwargs, turn.functions, fmt
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer chat messages with the model's chat template (stored chunks in them reuse their KV); with
         `tools=` (OpenAI tool dicts), a call to one of them lands in `message.additional_kwargs["tool_calls"]`."""
-        chat, kwargs, functions = self._tool_request(messages, kwargs)
+        chat, kwargs, functions, fmt = self._tool_request(messages, kwargs)
         out, info = self._generate(chat, kwargs)
-        content, calls = generic_tools.parse_tool_calls(out.text, functions) if functions else (out.text, [])
+        content, calls = generic_tools.parse_tool_calls(out.text, functions, fmt) if functions else (out.text, [])
         extra = {"tool_calls": [_call_kwargs(c) for c in calls]} if calls else {}
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content.strip() if calls
                                                 else content, additional_kwargs=extra), additional_kwargs=info)
@@ -451,13 +460,13 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Stream a chat answer: each response has the new `delta` and the cumulative message; with `tools=`,
         text that may become a call is held back and the last response carries the call."""
-        chat, kwargs, functions = self._tool_request(messages, kwargs)
+        chat, kwargs, functions, fmt = self._tool_request(messages, kwargs)
         pieces, info = self._stream(chat, kwargs)
 
         def gen() -> ChatResponseGen:
             text, held = "", ""
             for piece in pieces:
-                if functions and not text and generic_tools.may_be_call(held + piece):
+                if functions and not text and generic_tools.may_be_call(held + piece, fmt):
                     held += piece
                     continue
                 piece, held = held + piece, ""
@@ -465,7 +474,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=piece,
                                    additional_kwargs=info)
             if held:
-                content, calls = generic_tools.parse_tool_calls(held, functions)
+                content, calls = generic_tools.parse_tool_calls(held, functions, fmt)
                 extra = {"tool_calls": [_call_kwargs(c) for c in calls]} if calls else {}
                 content = content.strip() if calls else content
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text + content,
