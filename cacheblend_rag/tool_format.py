@@ -148,11 +148,16 @@ class ToolFormat:
         template that escapes results gets them as the generic format's user message instead, so the chunks in a
         retriever tool's result stay found."""
         if not self.native or not self.results_verbatim:
-            return {"role": "user", "content": f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"}
+            return result_message(content)
         message = {"role": "tool", "content": content, "tool_call_id": call_id or ""}
         if names.get(call_id):
             message["name"] = names[call_id]
         return message
+
+
+def result_message(content: str) -> dict[str, str]:
+    """A tool's result in the generic format: a user message `<tool_response>` CONTENT `</tool_response>`."""
+    return {"role": "user", "content": f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"}
 
 
 GENERIC = ToolFormat(TOOL_OPEN, TOOL_CLOSE, TOOL_CLOSE + "\n" + TOOL_OPEN)

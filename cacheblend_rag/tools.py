@@ -34,10 +34,9 @@ from typing import Any
 
 from .decode.grammar import Grammar, with_json_options
 from .errors import ConfigError
-from .tool_format import GENERIC, RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, ToolFormat
+from .tool_format import GENERIC, RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, ToolFormat, result_message
 
 CHOICES = ("auto", "none", "required")
-PLAIN_TEXT = GENERIC.plain_text  # Lark: text that does not start with "<", so it can never be a malformed call
 
 
 @dataclass(frozen=True)
@@ -223,13 +222,13 @@ def with_system_text(messages: Sequence[dict[str, str]], text: str) -> list[dict
 
 
 def render_call(name: str, arguments: dict[str, Any]) -> str:
-    """A past call as the assistant wrote it."""
-    return f"{TOOL_OPEN}{json.dumps({'name': name, 'arguments': arguments})}{TOOL_CLOSE}"
+    """A past call as the assistant wrote it, in the generic format."""
+    return GENERIC.render_call(name, arguments)
 
 
 def render_result(content: str) -> dict[str, str]:
-    """A tool's result as the chat message that carries it back (content verbatim)."""
-    return {"role": "user", "content": f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"}
+    """A tool's result as the chat message that carries it back (content verbatim), in the generic format."""
+    return result_message(content)
 
 
 def may_be_call(text: str, fmt: ToolFormat = GENERIC) -> bool:

@@ -51,7 +51,7 @@ def render_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) 
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.role in ("tool", "function"):
-            out.append({"role": "tool", "content": m.text(), "tool_call_id": getattr(m, "tool_call_id", None)})
+            out.append({"role": "tool", "content": m.text(), "tool_call_id": m.tool_call_id})
             continue
         out.append({"role": m.role, "content": m.text()})
         calls = []
@@ -61,7 +61,7 @@ def render_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) 
             except json.JSONDecodeError as e:
                 raise ConfigError(f"tool call {call.function.name!r} of an assistant message: arguments are not "
                                   f"JSON ({e}); send them as the JSON text the call returned") from None
-            calls.append({"id": getattr(call, "id", None), "name": call.function.name, "arguments": arguments})
+            calls.append({"id": call.id, "name": call.function.name, "arguments": arguments})
         if calls:
             out[-1]["tool_calls"] = calls
     return fmt.chat_messages(out)
