@@ -30,7 +30,7 @@ from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
 from .fuse.placement import Placements
 from .fuse.policies import CacheCraft
 from .fuse.policy import FusionRequest, Policy
-from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_chunks
+from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_pending
 from .fuse.sequence import FusedSequence
 from .fuse.variants import VariantStore
 from .ingest.chunks import Chunk, chunk_id, looks_like_chunk_id, make_chunk
@@ -574,8 +574,7 @@ class CacheBlendEngine:
                 yield pre
             finally:
                 with torch.inference_mode():
-                    store_chunks(self.cache, pre.unstored_holes)
-                    store_chunks(self.cache, pre.unlearned, pre.opening)
+                    store_pending(self.cache, pre)
 
 
 def _warn_no_match(changed: list[str]) -> None:

@@ -35,9 +35,8 @@ class Placements:
     report: dict = field(default_factory=dict)  # the policy's own facts for the request's stats (e.g. variants used)
     prefix_rows: int = 0  # leading rows placed from a stored prefix (an earlier request's KV)
     # chunks placed from KV behind the lead-in in a prompt of a recurring foreign opening: computed behind that
-    # opening after the answer (as holes are stored), so the next such prompt places them from there
+    # opening (the request's prefix) after the answer, as holes are stored, so the next such prompt places them
     to_learn: list[Chunk] = field(default_factory=list)
-    opening: list[int] = field(default_factory=list)
 
     def close(self) -> None:
         """End of the request: every reader releases its handle (tiers may promote what was read)."""
@@ -121,6 +120,4 @@ def every_chunk(cache: ChunkCache, request: FusionRequest) -> Placements:
         # The first chunk after the very prefix it was precomputed behind is exact.
         behind_prefix = follows_lead_in or own is not None
         out.placements.append(Placement(start, reader, exact=(i == 0 and behind_prefix and chunk.kv_start == 0)))
-    if out.to_learn:
-        out.opening = list(opening)
     return out

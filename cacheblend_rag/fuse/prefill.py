@@ -125,7 +125,7 @@ class Prefill:
     values: list[torch.Tensor] = field(repr=False)
     chunk_ids: list[str] = field(default_factory=list)
     unstored_holes: list[Chunk] = field(default_factory=list, repr=False)  # holes left to store (store_holes=False)
-    # chunks to compute behind a recurring foreign opening (store_holes=False): `store_chunks(cache, c, opening)`
+    # chunks to compute behind a recurring foreign opening after the answer (store_holes=False: `store_pending`)
     unlearned: list[Chunk] = field(default_factory=list, repr=False)
     opening: list[int] = field(default_factory=list, repr=False)
 
@@ -173,15 +173,22 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
     for p in run.placed.placements:
         by_tier[p.kv.tier] = by_tier.get(p.kv.tier, 0) + p.kv.bytes_read
     run.placed.close()  # after the first token: promotion reads the layers the loop skipped
-    holes, unlearned = run.placed.holes, run.placed.to_learn
-    if store_holes:
-        store_chunks(cache, holes)
-        store_chunks(cache, unlearned, run.placed.opening)
-        holes, unlearned = [], []
     run.selection.after_request(run.result)  # e.g. Cache-Craft keeps its variants, after the first token
     stats = _stats(run, request.chunks, ttft, by_tier)
-    return Prefill(run.logits, stats, request.layout.token_ids, run.result.keys, run.result.values,
-                   [c.chunk_id for c in request.chunks], holes, unlearned, run.placed.opening)
+    out = Prefill(run.logits, stats, request.layout.token_ids, run.result.keys, run.result.values,
+                  [c.chunk_id for c in request.chunks], run.placed.holes, run.placed.to_learn,
+                  request.prefix_ids if run.placed.to_learn else [])
+    if store_holes:
+        store_pending(cache, out)
+    return out
+
+
+def store_pending(cache: ChunkCache, prefill: Prefill) -> None:
+    """Compute and store what a prefill left for after its logits: its holes, and the chunks to learn behind its
+    opening (best effort: logged), so the next request hits."""
+    store_chunks(cache, prefill.unstored_holes)
+    store_chunks(cache, prefill.unlearned, prefill.opening)
+    prefill.unstored_holes, prefill.unlearned = [], []
 
 
 def store_chunks(cache: ChunkCache, chunks: list[Chunk], lead_in_ids: Sequence[int] | None = None) -> None:
