@@ -107,7 +107,7 @@ def test_prompt_prefill_is_exact_at_ratio_one_and_full_reuse_at_zero(engine):
     assert torch.equal(zero.logits, reuse.logits) and float((reuse.logits - full.logits).abs().max()) > 1e-3
 
 
-def test_a_recurring_opening_unlike_the_lead_in_gets_its_chunks_kv_behind_it(engine, tokenizer, tmp_path):
+def test_a_recurring_opening_gets_its_chunks_kv_behind_it(engine, tokenizer, tmp_path):
     # A plain string begins unlike the chat template's system turn the chunks were computed behind. Seen once, its
     # chunks come from there; seen again, they are computed behind the string's own opening after the answer, and
     # from then on a lone chunk right after that opening is exact: full reuse gives the model's own logits.
@@ -129,12 +129,22 @@ def test_a_recurring_opening_unlike_the_lead_in_gets_its_chunks_kv_behind_it(eng
         generating.generate_prompt(other, "full_reuse", max_new_tokens=2)
     torch.testing.assert_close(generating.prefill_prompt(other, method="full_reuse").logits, expected,
                                atol=1e-4, rtol=1e-4)
-    # chat messages begin like the lead-in: their chunks stay where they were computed, however often they come
-    chat = [{"role": "user", "content": f"{TEXTS[2]}\n\nWhat is basalt?"}]
+    # chat messages begin like the lead-in, and their chunks' KV stays where it was computed; only the first chunk
+    # of a recurring opening is computed behind it, where it is then exact (a lone chunk: the model's own logits)
+    chat = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"{TEXTS[2]}\n\nWhat is basalt?"}]
+    lone = engine.prefill_prompt(chat, method="full_prefill")
     first = engine.prefill_prompt(chat, method="full_reuse")
+    assert float((first.logits - lone.logits).abs().max()) > 1e-3
+    engine.prefill_prompt(chat, method="full_reuse")
+    learned = engine.prefill_prompt(chat, method="full_reuse")
+    assert learned.stats["num_reused"] == 0 and learned.stats["chunk_hits"] == [chunk_id(TEXTS[2])]
+    torch.testing.assert_close(learned.logits, lone.logits, atol=1e-4, rtol=1e-4)
+    two = [chat[0], {"role": "user", "content": f"{TEXTS[2]}\n\n{TEXTS[0]}\n\nWhat is basalt?"}]
     for _ in range(2):
-        engine.prefill_prompt(chat, method="full_reuse")
-    assert torch.equal(engine.prefill_prompt(chat, method="full_reuse").logits, first.logits)
+        engine.prefill_prompt(two, method="full_reuse")
+    both = engine.prefill_prompt(two, method="full_reuse")  # the second chunk still from behind the lead-in
+    assert both.stats["chunk_hits"] == [chunk_id(TEXTS[2]), chunk_id(TEXTS[0])]
+    assert both.stats["num_reused"] == len(engine.tokenizer(TEXTS[0], add_special_tokens=False)["input_ids"])
 
 
 def test_chat_messages_with_a_users_system_prompt(engine):

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX_BLOCK = 16  # tokens per block of a stored prefix (vLLM's default block size)
 _MAX_INDEXED_BLOCKS = 1 << 18  # block hashes this process remembers (≈ 40 MB); older ones are found by probing
-_MAX_OPENINGS = 64  # foreign openings counted (an app has a few prompt templates; one-offs age out)
+_MAX_OPENINGS = 64  # openings other than the lead-in counted (an app has a few prompt templates; one-offs age out)
 # entries this process stored that it remembers as its own (a store evicts without telling this cache, so without
 # a bound a long-running server would keep one name per request it ever answered)
 _MAX_OWN_PREFIXES = 1 << 16
@@ -97,8 +97,8 @@ class ChunkCache:
         self._prefix_index: OrderedDict[str, str] = OrderedDict()  # block hash → name of an entry holding it
         self._prefix_entries: OrderedDict[str, int] = OrderedDict()  # entries this process stored → their blocks
         self._warned_prefix_size = False  # a prefix larger than its store's budget is reported once
-        # Openings of prompts that begin unlike the lead-in (a plain string to a chat model), counted: one seen
-        # again gets its chunks' KV computed behind it (`opening_recurs`)
+        # Openings of prompts other than the lead-in (a plain string to a chat model, a chat with its own system
+        # message), counted: one seen again gets its chunks' KV (or its first chunk's) computed behind it
         self._openings: OrderedDict[tuple[int, ...], int] = OrderedDict()
 
     def namespace_for(self, lead_in_ids: Sequence[int]) -> str:
@@ -129,8 +129,8 @@ class ChunkCache:
         return bool(opening) and bool(self.lead_in_ids) and opening[0] != self.lead_in_ids[0]
 
     def opening_recurs(self, opening: Sequence[int]) -> bool:
-        """Count a foreign opening; whether it was seen before (an app's own prompt template, not a one-off), so
-        its chunks' KV is worth computing behind it."""
+        """Count an opening other than the lead-in; whether it was seen before (an app's own prompt template, not a
+        one-off), so its chunks' KV is worth computing behind it."""
         key = tuple(opening)
         seen = self._openings.pop(key, 0) + 1
         self._openings[key] = seen

@@ -103,21 +103,25 @@ def every_chunk(cache: ChunkCache, request: FusionRequest) -> Placements:
     out, chunks = _prefix(cache, request)
     opening = request.prefix_ids
     follows_lead_in = not out.prefix_rows and opening == list(cache.lead_in_ids)
-    # A prompt that begins unlike the lead-in (a plain string) places its chunks' KV computed behind its own
-    # opening where that is stored: string-frame KL 0.115 → 0.077 (docs/benchmarks.md)
-    foreign = not out.prefix_rows and cache.foreign_opening(opening)
-    learn = foreign and cache.opening_recurs(opening)
+    own_opening = not out.prefix_rows and not follows_lead_in and bool(opening)
+    # A prompt that begins unlike the lead-in (a plain string) places all its chunks' KV computed behind its own
+    # opening where that is stored: string-frame KL 0.115 → 0.077. Any other opening of its own (a chat template
+    # with the user's system message) places only its first chunk from there, which is then exact: computing the
+    # rest behind it cost KL (0.064 → 0.078), an exact first chunk is recomputed nowhere (docs/benchmarks.md)
+    foreign = own_opening and cache.foreign_opening(opening)
+    learn = own_opening and cache.opening_recurs(opening)
     for i, (start, chunk) in enumerate(chunks):
-        own = cache.reader(chunk, lead_in_ids=opening) if foreign else None
+        first = i == 0 and chunk.kv_start == 0  # a first chunk whose first token merged with the opening's is not
+        behind_opening = foreign or (own_opening and first)
+        own = cache.reader(chunk, lead_in_ids=opening) if behind_opening else None
         reader = own if own is not None else cache.reader(chunk)
         if reader is None:
             out.misses.append(chunk.chunk_id)
             out.holes.append(chunk)
             continue
         out.hits.append(chunk.chunk_id)
-        if learn and own is None:
+        if learn and behind_opening and own is None:
             out.to_learn.append(chunk)
         # The first chunk after the very prefix it was precomputed behind is exact.
-        behind_prefix = follows_lead_in or own is not None
-        out.placements.append(Placement(start, reader, exact=(i == 0 and behind_prefix and chunk.kv_start == 0)))
+        out.placements.append(Placement(start, reader, exact=first and (follows_lead_in or own is not None)))
     return out
