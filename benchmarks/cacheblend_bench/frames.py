@@ -96,8 +96,8 @@ def run_frames(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens
                              (lambda m, r, p=prompt: engine.generate_prompt(p, m, r, max_new_tokens=max_new_tokens)))
             outs = {}
             # untimed warm-ups: the first method (first-call costs), and CacheBlend once, after which the chunks of
-            # a prompt of a recurring foreign opening (the plain string) are stored behind it, as they are for an
-            # app that sends its template again (fuse.placement.every_chunk)
+            # a prompt of a recurring opening are stored behind it (every chunk behind a plain string's, the first
+            # behind a chat's), as they are for an app that sends its template again (fuse.placement.every_chunk)
             for method, ratio in [FRAME_METHODS[0], FRAME_METHODS[1], *FRAME_METHODS]:
                 outs[(method, ratio)] = run(method, ratio)
             full = outs[("full_prefill", None)]
