@@ -7,6 +7,8 @@ To add a policy: write `fuse/policies/<name>.py` (a frozen dataclass subclassing
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from ...errors import ConfigError
 from ..policy import Policy
@@ -26,7 +28,7 @@ POLICIES: dict[str, type] = {
 METHODS: tuple[str, ...] = tuple(POLICIES)  # the built-in methods; POLICIES also holds registered ones
 
 __all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
-           "PrefixCache", "all_option_names", "make_policy", "option_names", "register_policy", "takes_ratio"]
+           "PrefixCache", "all_option_names", "call_options", "make_policy", "option_names", "register_policy", "takes_ratio"]
 
 
 def register_policy(policy_cls: type) -> type:
@@ -54,6 +56,15 @@ def option_names(policy_cls: type) -> tuple[str, ...]:
 def all_option_names() -> set[str]:
     """Every option of every registered policy: a surface accepts these per call, the method checks its own."""
     return {name for cls in POLICIES.values() for name in option_names(cls)}
+
+
+def call_options(method: str, default_method: str, default_options: Mapping[str, Any],
+                 call: Mapping[str, Any]) -> dict[str, Any]:
+    """One call's policy options, for a surface with defaults (an LLM object): its own options where the call keeps
+    its method, under the call's (`recompute_ratio` aside: every surface passes it on its own)."""
+    options = dict(default_options) if method == default_method else {}
+    options.update((k, v) for k, v in call.items() if k in all_option_names() and k != "recompute_ratio")
+    return options
 
 
 def takes_ratio(policy: object) -> bool:

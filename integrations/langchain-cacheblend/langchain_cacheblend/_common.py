@@ -9,7 +9,7 @@ from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES, all_option_names, make_policy
+from cacheblend_rag.fuse.policies import POLICIES, all_option_names, call_options, make_policy
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
@@ -35,8 +35,7 @@ def check_call_kwargs(owner: str, kwargs: dict[str, Any], extra: Iterable[str] =
 def call_settings(defaults: Any, max_tokens: int, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`Request.of` keywords for one call: the call's kwargs over the model's fields (checked by `Request.of`)."""
     method = kwargs.get("method", defaults.method)
-    options = dict(defaults.policy_options) if method == defaults.method else {}
-    options.update((k, v) for k, v in kwargs.items() if k in all_option_names() and k != "recompute_ratio")
+    options = call_options(method, defaults.method, defaults.policy_options, kwargs)
     return dict(
         method=method,
         recompute_ratio=kwargs.get("recompute_ratio", defaults.recompute_ratio),

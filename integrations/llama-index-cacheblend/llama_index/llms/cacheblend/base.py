@@ -19,7 +19,7 @@ from cacheblend_rag.tool_format import GENERIC, ToolFormat
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.fuse.prefill import stats_summary
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES, all_option_names, make_policy
+from cacheblend_rag.fuse.policies import POLICIES, all_option_names, call_options, make_policy
 from cacheblend_rag.ingest.chunks import looks_like_chunk_id, normalize_text
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from cacheblend_rag.request import Request
@@ -323,8 +323,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         gen = {**self.generate_kwargs, **kwargs}
         sample = gen.get("do_sample", gen.get("temperature", 0.0) > 0)
         method = gen.get("method", self.method)
-        options = dict(self.policy_options) if method == self.method else {}
-        options.update((k, v) for k, v in gen.items() if k in all_option_names() and k != "recompute_ratio")
+        options = call_options(method, self.method, self.policy_options, gen)
         return dict(
             **options,
             method=method,
