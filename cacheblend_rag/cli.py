@@ -161,6 +161,14 @@ def model_options(args: argparse.Namespace) -> dict:
     return {"revision": args.revision, "trust_remote_code": args.trust_remote_code}
 
 
+def add_model_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of a subcommand that loads the model and runs it: --home, the model, --device and --dtype."""
+    parser.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
+    add_model_arguments(parser)
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto, float32, bfloat16 or float16")
+
+
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     """Options every data subcommand shares."""
     parser.add_argument("--home", help=f"package home (models, KV store, Chroma); overrides ${settings.ENV_HOME}")
@@ -388,10 +396,7 @@ def _add_profile(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure (once) and print the compute and storage profiles",
                               description="Per-layer recompute time and read throughput of each storage tier, "
                               "as the loading controller (recompute_ratio='auto') uses them.")
-    p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
-    add_model_arguments(p)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    add_model_run_arguments(p)
     p.add_argument("--remeasure", action="store_true", help="measure again instead of reading the cache")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -592,10 +597,7 @@ def _add_calibrate(subparsers) -> None:
     p.add_argument("--data", help="MuSiQue-style JSON (default: the bundled or cached dev set)")
     p.add_argument("--chunks", type=int, default=6, help="passages per request (default 6)")
     p.add_argument("--alphas", help="comma-separated alphas to try, ascending (default 0.1 to 2.0)")
-    p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
-    add_model_arguments(p)
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    add_model_run_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="measure and print, store nothing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("-v", "--verbose", action="store_true")
