@@ -340,6 +340,8 @@ class CacheBlendEngine:
         """
         with self._lock, torch.inference_mode():
             fusion = self._fusion_request(request)
+            # counted here, once: a request that retries after a failed read places its chunks again
+            fusion = dataclasses.replace(fusion, opening_recurs=self.cache.opening_recurs(fusion.prefix_ids))
             return fused_prefill(self.cache, request.policy, fusion, store_holes=store_holes,
                                  auto_ratio=self._auto_ratio if request.auto_ratio else None)
 

@@ -55,6 +55,22 @@ def test_a_layer_that_fails_mid_request_falls_back_to_computing_the_chunk(tokeni
     assert torch.allclose(engine.prefill(ids, QUESTION, recompute_ratio=1.0).logits, reference.logits, atol=1e-4)
 
 
+def test_a_request_that_retries_after_a_bad_read_counts_its_opening_once(tokenizer, tmp_path):
+    # A prompt's opening is learned behind once it recurs; a request placed twice (a layer failed to read) is still
+    # one sighting, so a one-off prompt never gets a second copy of its chunks
+    engine = _engine(tokenizer, tmp_path, 2)
+    ids = engine.ingest(TEXTS, show_progress=False)
+    path = engine.kv_store.path_for(KVKey(engine.namespace, ids[1]))
+    data = bytearray(path.read_bytes())
+    data[-64:] = bytes(64)  # the last layer's bytes are damaged: the request retries with that chunk as a hole
+    path.write_bytes(bytes(data))
+    prompt = f"Notes follow.\n\n{TEXTS[0]}\n\n{TEXTS[1]}\n\nQ: {QUESTION}\nA:"  # a string: unlike the lead-in
+    first = engine.prefill_prompt(prompt, "full_reuse", store_holes=False)
+    assert ids[1] in first.stats["chunk_misses"] and first.unlearned == []
+    second = engine.prefill_prompt(prompt, "full_reuse", store_holes=False)
+    assert [c.chunk_id for c in second.unlearned] == [ids[0]]
+
+
 def test_disk_reads_are_promoted_to_memory(tokenizer, tmp_path):
     ids = _engine(tokenizer, tmp_path, 0).ingest(TEXTS, show_progress=False)
     model = tiny_model("qwen2", len(tokenizer))

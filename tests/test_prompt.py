@@ -112,9 +112,9 @@ def test_a_recurring_opening_gets_its_chunks_kv_behind_it(engine, tokenizer, tmp
     # chunks come from there; seen again, they are computed behind the string's own opening after the answer, and
     # from then on a lone chunk right after that opening is exact: full reuse gives the model's own logits.
     prompt = f"You answer from the context only.\n\n{TEXTS[0]}\n\nQ: {QUESTION}\nA:"
-    full = engine.prefill_prompt(prompt, method="full_prefill")
     once = engine.prefill_prompt(prompt, method="full_reuse")
-    again = engine.prefill_prompt(prompt, method="full_reuse")
+    again = engine.prefill_prompt(prompt, method="full_reuse")  # seen before: its chunks are computed behind it after
+    full = engine.prefill_prompt(prompt, method="full_prefill")
     assert torch.equal(once.logits, again.logits) and float((once.logits - full.logits).abs().max()) > 1e-3
     learned = engine.prefill_prompt(prompt, method="full_reuse")
     assert learned.stats["chunk_hits"] == [chunk_id(TEXTS[0])] and learned.stats["chunk_misses"] == []

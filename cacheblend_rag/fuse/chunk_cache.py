@@ -130,8 +130,10 @@ class ChunkCache:
 
     def opening_recurs(self, opening: Sequence[int]) -> bool:
         """Count an opening other than the lead-in; whether it was seen before (an app's own prompt template, not a
-        one-off), so its chunks' KV is worth computing behind it."""
+        one-off), so its chunks' KV is worth computing behind it. The lead-in and an empty opening are not counted."""
         key = tuple(opening)
+        if not key or list(key) == self.lead_in_ids:
+            return False
         seen = self._openings.pop(key, 0) + 1
         self._openings[key] = seen
         while len(self._openings) > _MAX_OPENINGS:

@@ -109,7 +109,7 @@ def every_chunk(cache: ChunkCache, request: FusionRequest) -> Placements:
     # with the user's system message) places only its first chunk from there, which is then exact: computing the
     # rest behind it cost KL (0.064 → 0.078), an exact first chunk is recomputed nowhere (docs/benchmarks.md)
     foreign = own_opening and cache.foreign_opening(opening)
-    learn = own_opening and cache.opening_recurs(opening)
+    learn = own_opening and request.opening_recurs
     for i, (start, chunk) in enumerate(chunks):
         first = i == 0 and chunk.kv_start == 0  # a first chunk whose first token merged with the opening's is not
         behind_opening = foreign or (own_opening and first)

@@ -33,6 +33,9 @@ class FusionRequest:
 
     chunks: list[Chunk]
     layout: Layout
+    # its opening (the text before the first chunk, not the lead-in) came in an earlier request too: an app's own
+    # template, whose chunks' KV is worth computing behind it (counted once per request, `ChunkCache.opening_recurs`)
+    opening_recurs: bool = False
 
     @property
     def prefix_ids(self) -> list[int]:
