@@ -131,7 +131,8 @@ def test_a_recurring_opening_gets_its_chunks_kv_behind_it(engine, tokenizer, tmp
                                atol=1e-4, rtol=1e-4)
     # chat messages begin like the lead-in, and their chunks' KV stays where it was computed; only the first chunk
     # of a recurring opening is computed behind it, where it is then exact (a lone chunk: the model's own logits)
-    chat = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"{TEXTS[2]}\n\nWhat is basalt?"}]
+    chat = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": f"{TEXTS[2]}\n\nWhat is basalt?"}]
     lone = engine.prefill_prompt(chat, method="full_prefill")
     first = engine.prefill_prompt(chat, method="full_reuse")
     assert float((first.logits - lone.logits).abs().max()) > 1e-3

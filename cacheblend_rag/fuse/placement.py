@@ -34,8 +34,9 @@ class Placements:
     holes: list[Chunk] = field(default_factory=list)  # misses to compute in isolation and store after the request
     report: dict = field(default_factory=dict)  # the policy's own facts for the request's stats (e.g. variants used)
     prefix_rows: int = 0  # leading rows placed from a stored prefix (an earlier request's KV)
-    # chunks placed from KV behind the lead-in in a prompt of a recurring foreign opening: computed behind that
-    # opening (the request's prefix) after the answer, as holes are stored, so the next such prompt places them
+    # chunks placed from KV behind the lead-in in a prompt of a recurring opening (every chunk of a plain string's,
+    # the first of a chat's): computed behind that opening (the request's prefix) after the answer, as holes are
+    # stored, so the next such prompt places them from there
     to_learn: list[Chunk] = field(default_factory=list)
 
     def close(self) -> None:

@@ -125,7 +125,7 @@ class Prefill:
     values: list[torch.Tensor] = field(repr=False)
     chunk_ids: list[str] = field(default_factory=list)
     unstored_holes: list[Chunk] = field(default_factory=list, repr=False)  # holes left to store (store_holes=False)
-    # chunks to compute behind a recurring foreign opening after the answer (store_holes=False: `store_pending`)
+    # chunks to compute behind a recurring opening after the answer (store_holes=False: `store_pending`)
     unlearned: list[Chunk] = field(default_factory=list, repr=False)
     opening: list[int] = field(default_factory=list, repr=False)
 

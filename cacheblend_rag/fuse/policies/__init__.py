@@ -28,7 +28,8 @@ POLICIES: dict[str, type] = {
 METHODS: tuple[str, ...] = tuple(POLICIES)  # the built-in methods; POLICIES also holds registered ones
 
 __all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
-           "PrefixCache", "all_option_names", "call_options", "make_policy", "option_names", "register_policy", "takes_ratio"]
+           "PrefixCache", "all_option_names", "call_options", "make_policy", "option_names", "register_policy",
+           "takes_ratio"]
 
 
 def register_policy(policy_cls: type) -> type:
