@@ -79,6 +79,23 @@ def test_links_out_of_the_folder_are_refused_unless_asked(tmp_path):
     assert followed.skipped == []
 
 
+def test_a_symlink_loop_is_skipped_not_fatal(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "good.txt").write_text(GOOD)
+    (folder / "a.txt").symlink_to(folder / "b.txt")  # a -> b -> a
+    (folder / "b.txt").symlink_to(folder / "a.txt")
+    (folder / "sub" / "self.md").symlink_to(folder / "sub" / "self.md")
+    for follow in (False, True):  # before: RuntimeError "Symlink loop from ..." out of the walk, nothing loaded
+        report = load_paths_report([folder], follow_symlinks=follow)
+        assert [f.name for f in report.files] == ["good.txt"]
+        reasons = {Path(s.path).name: s.reason for s in report.skipped}
+        assert set(reasons) == {"a.txt", "b.txt", "self.md"}
+        assert all(r.startswith("symbolic link loop") for r in reasons.values())
+    with pytest.raises(ConfigError, match="a.txt: symbolic link loop"):  # named on its own: a clear error
+        load_paths([folder / "a.txt"])
+
+
 def test_fifos_never_hang_a_load(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()

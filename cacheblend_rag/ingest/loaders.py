@@ -100,6 +100,14 @@ def _is_within(path: Path, root: Path) -> bool:
         return False
 
 
+def _link_target(path: Path) -> Path | None:
+    """Where a symbolic link leads, fully resolved; None for a link loop (`a -> b -> a`, or one to itself)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # RuntimeError up to Python 3.12, OSError (ELOOP) from 3.13
+        return None
+
+
 def _walk(root: Path, follow_symlinks: bool, skipped: list[SkippedFile]) -> Iterator[Path]:
     """Candidate files under a folder, sorted; hidden entries are left out; links out of `root` are refused."""
     real_root = root.resolve()
@@ -122,7 +130,10 @@ def _walk(root: Path, follow_symlinks: bool, skipped: list[SkippedFile]) -> Iter
                 continue
             path = Path(entry.path)
             if entry.is_symlink():
-                target = path.resolve()
+                target = _link_target(path)
+                if target is None:
+                    skipped.append(SkippedFile(str(path), "symbolic link loop (its chain of links never reaches a file)"))
+                    continue
                 if not follow_symlinks and not _is_within(target, real_root):
                     skipped.append(SkippedFile(str(path), f"symbolic link to {target}, outside {root}; "
                                                           "pass --follow-symlinks (follow_symlinks=True) to read it"))
@@ -168,7 +179,10 @@ def iter_files(
                 raise ConfigError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
             files.append(path)
         elif path.is_symlink():
-            raise ConfigError(f"{path}: broken symbolic link to {path.resolve()}")
+            target = _link_target(path)
+            if target is None:
+                raise ConfigError(f"{path}: symbolic link loop (its chain of links never reaches a file)")
+            raise ConfigError(f"{path}: broken symbolic link to {target}")
         else:
             raise ConfigError(f"{path}: no such file or folder")
     return list(dict.fromkeys(files))
