@@ -34,6 +34,10 @@ DOCUMENT_SUFFIXES = (".html", ".htm", ".pdf")
 SUFFIXES = TEXT_SUFFIXES + DOCUMENT_SUFFIXES
 DEFAULT_CHUNK_TOKENS = 512
 MAX_FILE_BYTES = 256 * 2**20  # a bigger file is skipped (reading it whole would cost that much memory)
+# A PDF's text extraction parses every page's content stream, and a small file can hold a lot of it (200 pages
+# sharing one compressed stream): a PDF with more content than this, or whose extraction runs longer, is skipped.
+MAX_PDF_CONTENT_BYTES = 64 * 2**20  # a 1,000-page book holds ~10-50 MiB; pypdf extracts ~1-2 MiB/s of it here
+PDF_SECONDS = 120.0
 
 
 @dataclass(frozen=True)
@@ -251,24 +255,46 @@ def _html_texts(raw: bytes, source: str, path: Path) -> list[SourceText]:
     return [SourceText(f"{title}\n{body}" if body else "", source, title)]
 
 
+def _content_bytes(page) -> int:
+    """Bytes of a PDF page's content stream(s), decoded: what its text extraction parses (form XObjects aside)."""
+    contents = page.get_contents()
+    return len(contents.get_data()) if contents is not None else 0
+
+
 def _pdf_texts(path: Path, raw: bytes, source: str) -> list[SourceText]:
     try:
         from pypdf import PdfReader
-        from pypdf.errors import PdfReadError
+        from pypdf.errors import LimitReachedError
     except ImportError as e:
         raise MissingDependencyError("PDF files need pypdf: pip install 'cacheblend-rag[documents]'") from e
     import io
+    import time
+
+    hint = "split it (qpdf --split-pages) or convert it to text (pdftotext) and ingest the .txt"
+    deadline = time.monotonic() + PDF_SECONDS
+
+    def in_time(*_) -> None:  # pypdf calls it before each operator, those of form XObjects included
+        if time.monotonic() > deadline:
+            raise FileSkipped(f"PDF text extraction took over {PDF_SECONDS:.0f} s; {hint}")
 
     try:
         reader = PdfReader(io.BytesIO(raw))
         if reader.is_encrypted:
             raise FileSkipped("encrypted PDF")
-        pages = [page.extract_text() or "" for page in reader.pages]
+        pages = list(reader.pages)
+        content = sum(_content_bytes(page) for page in pages)  # decoding is cheap; parsing it is what costs
+        if content > MAX_PDF_CONTENT_BYTES:
+            raise FileSkipped(f"PDF pages hold {content / 2**20:.0f} MiB of content streams (over "
+                              f"{MAX_PDF_CONTENT_BYTES // 2**20} MiB: too costly to extract); {hint}")
+        texts = [page.extract_text(visitor_operand_before=in_time) or "" for page in pages]
     except FileSkipped:
         raise
-    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as e:
+    except LimitReachedError as e:
+        raise FileSkipped(f"PDF past pypdf's safety limits ({e})") from e
+    except Exception as e:  # a broken or hostile PDF can make pypdf raise nearly anything: skip it, say what
+        logger.debug("pypdf failed on %s", path, exc_info=True)
         raise FileSkipped(f"unreadable PDF ({type(e).__name__}: {e})") from e
-    body = "\n\n".join(p.strip() for p in pages if p.strip())
+    body = "\n\n".join(t.strip() for t in texts if t.strip())
     if not body:
         raise FileSkipped("no text layer (a scanned PDF needs OCR first)")
     return [SourceText(body, source, path.stem)]
