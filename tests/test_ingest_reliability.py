@@ -127,6 +127,30 @@ def test_html_and_pdf_loaders(tmp_path):
     assert "no text layer" in reasons["scan.pdf"] and "broken.pdf" in reasons
 
 
+def test_deep_or_large_json_and_huge_html_are_skipped_with_a_bound(tmp_path):
+    pytest.importorskip("bs4")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "good.txt").write_text(GOOD)
+    (folder / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # before: RecursionError, folder aborted
+    (folder / "deep.jsonl").write_text('"a fine first line"\n' + "{\"a\": " * 50_000 + "1" + "}" * 50_000 + "\n")
+    (folder / "big.json").write_text("[" + ",".join(["{}"] * 12_000_000) + "]")  # 36 MB: ~800 MB parsed
+    # 2 MB of tags: BeautifulSoup's tree would take ~270 MB of memory for it (a 20 MB file: ~3 GB)
+    (folder / "tags.html").write_text("<html><body>" + "<b>x</b>" * 250_000 + "</body></html>")
+    (folder / "page.html").write_text("<html><head><title>Bees</title></head><body><p>Bees see ultraviolet light."
+                                      "</p></body></html>")
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": f"Fact {i} about bees."}) + "\n" for i in range(3)))
+    report = load_paths_report([folder])
+    assert [f.name for f in report.files] == ["docs.jsonl", "good.txt", "page.html"]
+    assert len(report.texts) == 5
+    reasons = {Path(s.path).name: s.reason for s in report.skipped}
+    assert set(reasons) == {"deep.json", "deep.jsonl", "big.json", "tags.html"}, reasons
+    assert reasons["deep.json"].startswith("JSON nested too deeply")
+    assert reasons["deep.jsonl"].startswith("JSON on line 2 nested too deeply")
+    assert reasons["big.json"].startswith("JSON too large") and "JSON Lines" in reasons["big.json"]
+    assert reasons["tags.html"].startswith("HTML with 500,004 tags (over 400,000")
+
+
 def _pdf(content: bytes, *, pages: int = 1, deflate: bool = False, xref_entries: int | None = None) -> bytes:
     """A PDF whose `pages` pages all draw the one content stream `content` (Helvetica), written by hand: no PDF
     writer needed. `deflate` compresses the stream; `xref_entries` overrides the count the xref table declares."""

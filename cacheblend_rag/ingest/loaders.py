@@ -10,8 +10,14 @@ HTML is read with BeautifulSoup (visible text, `<title>` as title), PDF with pyp
 both are optional (`pip install 'cacheblend-rag[documents]'`).
 
 A file that cannot be used — not valid UTF-8, invalid JSON, empty, unreadable, of an unsupported type, not a
-regular file (a FIFO, a socket, a device), or a symbolic link out of the folder being ingested — is never fatal
-to a folder: it is listed in `LoadResult.skipped` with the reason, and the other files are read.
+regular file (a FIFO, a socket, a device), a symbolic link out of the folder being ingested or a link loop, or
+one past a per-file bound below — is never fatal to a folder: it is listed in `LoadResult.skipped` with the
+reason, and the other files are read.
+
+Per-file bounds (memory and work, as parsing costs a multiple of a file's size): any file ≤ 256 MiB; JSON nested
+less deeply than Python's parser allows (~1,000 levels) and a .json ≤ 32 MiB (a .jsonl is parsed a line at a
+time, each line ≤ 32 MiB); HTML ≤ 400,000 tags; a PDF within pypdf's own limits, with ≤ 64 MiB of page content
+streams, extracted within 120 s.
 """
 
 from __future__ import annotations
@@ -38,6 +44,11 @@ MAX_FILE_BYTES = 256 * 2**20  # a bigger file is skipped (reading it whole would
 # sharing one compressed stream): a PDF with more content than this, or whose extraction runs longer, is skipped.
 MAX_PDF_CONTENT_BYTES = 64 * 2**20  # a 1,000-page book holds ~10-50 MiB; pypdf extracts ~1-2 MiB/s of it here
 PDF_SECONDS = 120.0
+# Parsed, a file takes a multiple of its size in memory: JSON up to ~20x (a list of empty objects), HTML ~550 bytes
+# per tag in BeautifulSoup's tree (20 MB of tags: ~3 GB). Bigger ones are skipped; JSON Lines are parsed a line
+# at a time, so only each line is bounded.
+MAX_JSON_BYTES = 32 * 2**20  # ≤ ~700 MB parsed
+MAX_HTML_TAGS = 400_000  # counted as "<" characters; ≤ ~220 MB parsed (a long Wikipedia article has ~100,000)
 
 
 @dataclass(frozen=True)
@@ -240,11 +251,30 @@ def _from_json_item(item, source: str) -> list[SourceText]:
     return []
 
 
+def _parse_json(text: str, where: str = ""):
+    """One JSON text, parsed; FileSkipped when it is too large, nested too deeply or not JSON."""
+    if len(text) > MAX_JSON_BYTES:  # characters: a lower bound of its bytes
+        raise FileSkipped(f"JSON{where} too large to parse ({len(text) / 2**20:.0f} MiB > "
+                          f"{MAX_JSON_BYTES // 2**20} MiB; parsed JSON can take ~20x its size in memory): split it, "
+                          "or write it as JSON Lines (one document per line)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FileSkipped(f"invalid JSON{where} ({e})") from e
+    except RecursionError:
+        raise FileSkipped(f"JSON{where} nested too deeply to parse (Python's parser stops at ~1,000 levels)") from None
+
+
 def _html_texts(raw: bytes, source: str, path: Path) -> list[SourceText]:
     try:
         from bs4 import BeautifulSoup
     except ImportError as e:
         raise MissingDependencyError("HTML files need beautifulsoup4: pip install 'cacheblend-rag[documents]'") from e
+    tags = raw.count(b"<")
+    if tags > MAX_HTML_TAGS:
+        raise FileSkipped(f"HTML with {tags:,} tags (over {MAX_HTML_TAGS:,}: its parse tree would take "
+                          f"~{tags * 550 / 2**20:,.0f} MiB of memory); convert it to text first (e.g. with "
+                          "html2text or pandoc) and ingest the .txt")
     soup = BeautifulSoup(raw, "html.parser")  # the stdlib parser: no lxml needed; bs4 detects the encoding
     for tag in soup(["script", "style", "noscript", "template"]):
         tag.decompose()
@@ -316,18 +346,14 @@ def read_file(path: str | os.PathLike[str]) -> list[SourceText]:
         text = _decode(raw)
         if suffix in (".txt", ".md"):
             out = [SourceText(text, source, path.stem)]
+        elif suffix == ".jsonl":  # a line at a time: only its texts are kept
+            out = [t for number, line in enumerate(text.splitlines(), 1) if line.strip()
+                   for t in _from_json_item(_parse_json(line, f" on line {number}"), source)]
         else:
-            try:
-                if suffix == ".jsonl":
-                    items = [json.loads(line) for line in text.splitlines() if line.strip()]
-                else:
-                    data = json.loads(text) if text.strip() else []
-                    if isinstance(data, dict):
-                        data = data.get("documents", data.get("data", [data]))
-                    items = data if isinstance(data, list) else [data]
-            except json.JSONDecodeError as e:
-                raise FileSkipped(f"invalid JSON ({e})") from e
-            out = [t for item in items for t in _from_json_item(item, source)]
+            data = _parse_json(text) if text.strip() else []
+            if isinstance(data, dict):
+                data = data.get("documents", data.get("data", [data]))
+            out = [t for item in (data if isinstance(data, list) else [data]) for t in _from_json_item(item, source)]
     out = [t for t in out if normalize_text(t.text)]
     if not out:
         raise FileSkipped("empty: no text to ingest", empty=True)
