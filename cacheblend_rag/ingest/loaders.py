@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -405,10 +406,59 @@ def load_paths(
     return result.files, result.texts
 
 
+# RecursiveCharacterTextSplitter's separators without its last, "": that one splits a run without spaces or
+# newlines into single characters and tokenizes each one three times (~30 µs a character, ~60 B of memory each),
+# so such a run is cut at the tokenizer's own token boundaries instead (`_token_pieces`), in one pass.
+_SEPARATORS = ["\n\n", "\n", " "]
+_RUN = re.compile(r"[^ \n]+")
+_LONG_RUN_CHUNKS = 16  # a run of over 16 chunks' worth of characters is cut before the splitter sees it
+_WINDOW_CHARS = 2**20  # tokenized at a time when cutting a run: bounds the memory of a huge one
+
+
+def _token_pieces(text: str, tokenizer, chunk_tokens: int, overlap_tokens: int) -> list[str]:
+    """`text` in pieces of `chunk_tokens` tokens (neighbours sharing `overlap_tokens`), cut where the tokenizer's
+    tokens start: one tokenization per window of the text, so linear in its length."""
+    if not getattr(tokenizer, "is_fast", False):  # no offsets: a token per character at most, as the splitter did
+        step = chunk_tokens - overlap_tokens
+        return [text[i:i + chunk_tokens] for i in range(0, max(len(text) - overlap_tokens, 1), step)]
+    step, pieces, pos = chunk_tokens - overlap_tokens, [], 0
+    while pos < len(text):
+        window = text[pos:pos + _WINDOW_CHARS]
+        last = pos + len(window) >= len(text)
+        offsets = tokenizer(window, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        starts = [start for start, _ in offsets]
+        i = 0
+        while i + chunk_tokens < len(starts):
+            pieces.append(window[starts[i]:starts[i + chunk_tokens]])
+            i += step
+        if last or i == 0:  # the rest of the text, or a window without one whole piece (tokens of > 1 KiB)
+            pieces.append(window[starts[i]:] if starts else window)
+            pos += len(window)
+        else:
+            pos += starts[i]  # the next piece starts there: tokenized again with what follows
+    return pieces
+
+
+def _long_runs(text: str, min_chars: int) -> Iterator[tuple[str, bool]]:
+    """`text` as (segment, whether it is a run without spaces or newlines of `min_chars` or more), in order."""
+    start = 0
+    for run in _RUN.finditer(text):
+        if run.end() - run.start() >= min_chars:
+            if run.start() > start:
+                yield text[start:run.start()], False
+            yield run.group(), True
+            start = run.end()
+    if start < len(text):
+        yield text[start:], False
+
+
 def split_texts(
     texts: Sequence[SourceText], tokenizer, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap_tokens: int = 0
 ) -> list[ChunkRecord]:
-    """Split into chunks of at most ~`chunk_tokens` model tokens; duplicates (same id) are kept once."""
+    """Split into chunks of at most ~`chunk_tokens` model tokens; duplicates (same id) are kept once.
+
+    Paragraphs, lines and words are kept whole as RecursiveCharacterTextSplitter keeps them; a run without spaces
+    or newlines longer than a chunk is cut at token boundaries, in time linear in its length."""
     try:
         from langchain_text_splitters import RecursiveCharacterTextSplitter
     except ImportError as e:
@@ -416,11 +466,25 @@ def split_texts(
     if chunk_tokens < 16 or not 0 <= overlap_tokens < chunk_tokens:
         raise ConfigError(f"need chunk_tokens ≥ 16 and 0 ≤ overlap < chunk_tokens, got {chunk_tokens}, {overlap_tokens}")
     splitter = RecursiveCharacterTextSplitter.from_huggingface_tokenizer(
-        tokenizer, chunk_size=chunk_tokens, chunk_overlap=overlap_tokens
+        tokenizer, chunk_size=chunk_tokens, chunk_overlap=overlap_tokens, separators=_SEPARATORS
     )
+
+    def cut(piece: str) -> list[str]:  # a piece the splitter could not split (no separator in it) may be too long
+        if any(sep in piece.strip() for sep in _SEPARATORS) or \
+                len(tokenizer(piece, add_special_tokens=False)["input_ids"]) <= chunk_tokens:
+            return [piece]
+        return _token_pieces(piece.strip(), tokenizer, chunk_tokens, overlap_tokens)
+
+    def split(text: str) -> list[str]:
+        pieces = []
+        for segment, long_run in _long_runs(text, _LONG_RUN_CHUNKS * chunk_tokens):
+            pieces += _token_pieces(segment, tokenizer, chunk_tokens, overlap_tokens) if long_run else \
+                [p for piece in splitter.split_text(segment) for p in cut(piece)]
+        return pieces
+
     records: dict[str, ChunkRecord] = {}
     for t in texts:
-        pieces = [t.text] if t.presplit else splitter.split_text(t.text)
+        pieces = [t.text] if t.presplit else split(t.text)
         for i, piece in enumerate(pieces):
             norm = normalize_text(piece)
             if not norm:
