@@ -218,9 +218,15 @@ def _engine_and_store(args: argparse.Namespace, *, create: bool = True):
     return open_engine(args), store
 
 
+def shown(text: str) -> str:
+    """`text` as one safe line of terminal output: quoted and escaped (repr) when it holds a newline, an ANSI escape
+    or any other non-printable character, so a file's name cannot forge or recolour lines."""
+    return text if text.isprintable() else repr(text)
+
+
 def _print_skipped(skipped) -> None:
     for s in skipped[:_MAX_LISTED]:
-        print(f"skipped {s.path}: {s.reason}", file=sys.stderr)
+        print(f"skipped {shown(s.path)}: {shown(s.reason)}", file=sys.stderr)
     if len(skipped) > _MAX_LISTED:
         print(f"skipped {len(skipped) - _MAX_LISTED} more files (see --json for the full list)", file=sys.stderr)
 
@@ -324,7 +330,7 @@ def _run_ingest_from_chroma(args: argparse.Namespace) -> int:
     report = warm_texts(engine, iter_chroma_documents(store.collection), show_progress=not (args.quiet or args.json))
     variants = _neighbor_variants(args, engine, report.chunk_ids)
     for s in report.skipped[:_MAX_LISTED]:
-        print(f"skipped document {s.doc_id}: {s.reason}", file=sys.stderr)
+        print(f"skipped document {shown(s.doc_id)}: {shown(s.reason)}", file=sys.stderr)
     if len(report.skipped) > _MAX_LISTED:
         print(f"skipped {len(report.skipped) - _MAX_LISTED} more documents (see --json)", file=sys.stderr)
     if args.json:
