@@ -218,9 +218,15 @@ def _engine_and_store(args: argparse.Namespace, *, create: bool = True):
     return open_engine(args), store
 
 
+def shown(text: str) -> str:
+    """`text` as one safe line of terminal output: quoted and escaped (repr) when it holds a newline, an ANSI escape
+    or any other non-printable character, so a file's name cannot forge or recolour lines."""
+    return text if text.isprintable() else repr(text)
+
+
 def _print_skipped(skipped) -> None:
     for s in skipped[:_MAX_LISTED]:
-        print(f"skipped {s.path}: {s.reason}", file=sys.stderr)
+        print(f"skipped {shown(s.path)}: {shown(s.reason)}", file=sys.stderr)
     if len(skipped) > _MAX_LISTED:
         print(f"skipped {len(skipped) - _MAX_LISTED} more files (see --json for the full list)", file=sys.stderr)
 
@@ -324,7 +330,7 @@ def _run_ingest_from_chroma(args: argparse.Namespace) -> int:
     report = warm_texts(engine, iter_chroma_documents(store.collection), show_progress=not (args.quiet or args.json))
     variants = _neighbor_variants(args, engine, report.chunk_ids)
     for s in report.skipped[:_MAX_LISTED]:
-        print(f"skipped document {s.doc_id}: {s.reason}", file=sys.stderr)
+        print(f"skipped document {shown(s.doc_id)}: {shown(s.reason)}", file=sys.stderr)
     if len(report.skipped) > _MAX_LISTED:
         print(f"skipped {len(report.skipped) - _MAX_LISTED} more documents (see --json)", file=sys.stderr)
     if args.json:
@@ -452,6 +458,16 @@ def _print_codec_choice(engine, compute, tiers) -> None:
 # ---- plan ---------------------------------------------------------------------------------
 
 PLAN_CODECS = ("fp16", "int8", "cachegen")
+MAX_PLAN_TOKENS = 10**15  # ~10x the text of the whole public web: a larger --tokens is a typo
+
+
+def _corpus_tokens(text: str) -> int:
+    """`plan --tokens N`: a whole number of tokens, from 1 to MAX_PLAN_TOKENS."""
+    value = positive_int(text)
+    if value > MAX_PLAN_TOKENS:
+        raise argparse.ArgumentTypeError(f"{value:,} tokens is more than any corpus (at most {MAX_PLAN_TOKENS:.0e}); "
+                                         "give the corpus's size in model tokens")
+    return value
 
 
 def _add_plan(subparsers) -> None:
@@ -463,7 +479,7 @@ def _add_plan(subparsers) -> None:
     p.add_argument("--home", help=f"package home; overrides ${settings.ENV_HOME}")
     add_model_arguments(p)
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--tokens", type=positive_int, metavar="N", help="the corpus's size in model tokens")
+    size.add_argument("--tokens", type=_corpus_tokens, metavar="N", help="the corpus's size in model tokens")
     size.add_argument("--corpus", nargs="+", metavar="PATH", help="files or folders to size: read and split as "
                       "ingest would, counted with the model's tokenizer (nothing is stored)")
     p.add_argument("--chunk-tokens", type=_chunk_tokens, default=512, help="chunk size in model tokens (default 512)")
@@ -475,8 +491,8 @@ def _add_plan(subparsers) -> None:
     p.set_defaults(func=_run_plan)
 
 
-def _corpus_chunk_tokens(paths: list[str], tokenizer, chunk_tokens: int) -> list[int]:
-    """Token counts of the chunks ingest would make of these files (read and split, nothing stored)."""
+def _corpus_size(paths: list[str], tokenizer, chunk_tokens: int) -> tuple[int, int]:
+    """(chunks, tokens) of the chunks ingest would make of these files (read and split, nothing stored)."""
     from .ingest.loaders import load_paths_report, split_texts
 
     for path in paths:
@@ -485,12 +501,14 @@ def _corpus_chunk_tokens(paths: list[str], tokenizer, chunk_tokens: int) -> list
     loaded = load_paths_report([os.path.expanduser(p) for p in paths])
     _print_skipped(loaded.skipped)
     records = split_texts(loaded.texts, tokenizer, chunk_tokens=chunk_tokens)
-    return [len(tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in records]
+    return len(records), sum(len(tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in records)
 
 
-def plan_figures(layout, *, chunk_tokens: int, corpus_chunks: list[int] | None, memory_budget: int,
+def plan_figures(layout, *, chunk_tokens: int, corpus: tuple[int, int] | None, memory_budget: int,
                  disk_budget: int) -> dict:
-    """Per codec: KV bytes per token, per full chunk, the corpus's total, and the chunks each tier holds."""
+    """Per codec: KV bytes per token, per full chunk, the corpus's total, and the chunks each tier holds.
+
+    `corpus` is (chunks, tokens): a chunk's bytes are linear in its tokens, so the corpus's total is its tokens'."""
     from dataclasses import asdict
 
     from .store.sizing import CODEC_NOTES, TOKEN_ID_BYTES, chunk_bytes, chunks_that_fit, kv_bytes_per_token
@@ -500,13 +518,13 @@ def plan_figures(layout, *, chunk_tokens: int, corpus_chunks: list[int] | None, 
         per_chunk = chunk_bytes(layout, codec, chunk_tokens)
         row = {"kv_bytes_per_token": kv_bytes_per_token(layout, codec), "chunk_bytes": per_chunk,
                "note": CODEC_NOTES[codec], "disk_chunks": chunks_that_fit(disk_budget, per_chunk)}
-        if corpus_chunks is not None:
-            row["corpus_bytes"] = sum(chunk_bytes(layout, codec, n) for n in corpus_chunks)
+        if corpus is not None:
+            row["corpus_bytes"] = chunk_bytes(layout, codec, corpus[1])
         codecs[codec] = row
     # The memory tier holds KV as computed (bf16/fp16: the fp16 size, without token ids; fp32 doubles it).
     in_memory = kv_bytes_per_token(layout, "fp16") * chunk_tokens
     return {"layout": asdict(layout), "chunk_tokens": chunk_tokens, "token_id_bytes": TOKEN_ID_BYTES,
-            "corpus": None if corpus_chunks is None else {"chunks": len(corpus_chunks), "tokens": sum(corpus_chunks)},
+            "corpus": None if corpus is None else {"chunks": corpus[0], "tokens": corpus[1]},
             "codecs": codecs, "memory": {"budget_bytes": memory_budget, "chunk_bytes": in_memory,
                                          "chunks": chunks_that_fit(memory_budget, in_memory)},
             "disk": {"budget_bytes": disk_budget}}
@@ -531,12 +549,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     layout = KVLayout.from_config(config)
     corpus = None
     if args.corpus is not None:
-        corpus = _corpus_chunk_tokens(args.corpus, tokenizer, args.chunk_tokens)
+        corpus = _corpus_size(args.corpus, tokenizer, args.chunk_tokens)
     elif args.tokens is not None:
-        full, rest = divmod(args.tokens, args.chunk_tokens)
-        corpus = [args.chunk_tokens] * full + ([rest] if rest else [])
+        corpus = (-(-args.tokens // args.chunk_tokens), args.tokens)  # full chunks and the rest
     disk_budget = DEFAULT_DISK_BYTES if args.disk_budget is None else args.disk_budget
-    figures = plan_figures(layout, chunk_tokens=args.chunk_tokens, corpus_chunks=corpus,
+    figures = plan_figures(layout, chunk_tokens=args.chunk_tokens, corpus=corpus,
                            memory_budget=args.memory_budget, disk_budget=disk_budget)
     if args.json:
         print(json.dumps({"model": args.model, **figures}))

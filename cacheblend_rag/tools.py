@@ -85,7 +85,10 @@ def normalize_choice(choice: str | dict | bool | None, names: Sequence[str]) -> 
     if choice is True or choice == "any":
         return "required"
     if isinstance(choice, dict):  # OpenAI's {"type": "function", "function": {"name": ...}}
-        choice = (choice.get("function") or {}).get("name") or choice.get("name")
+        function = choice.get("function")
+        if function is not None and not isinstance(function, dict):
+            raise ConfigError(f'tool_choice\'s "function" must be an object {{"name": ...}}, got {function!r}')
+        choice = (function or {}).get("name") or choice.get("name")
     if choice in CHOICES or choice in names:
         return choice
     raise ConfigError(f"tool_choice must be one of auto, none, required, any or a bound tool's name "

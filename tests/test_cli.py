@@ -214,6 +214,38 @@ def test_cli_ingest_lists_skipped_files(tmp_path, default_model):
 
 
 @pytest.mark.model
+def test_file_names_cannot_forge_skipped_lines(tmp_path, default_model):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "07_senses.txt").write_text((DATA / "07_senses.txt").read_text())
+    (corpus / "x.txt\nskipped passwords.txt: leaked.txt").write_text("")  # an empty file, a newline in its name
+    (corpus / "\x1b[2J\x1b[31mred.bin").write_bytes(b"\x00")  # ANSI escapes: clear the screen, turn red
+    out = _cli("plan", "--corpus", str(corpus), "--home", str(_home(tmp_path)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    assert len(lines) == 2 and all(line.startswith("skipped '") for line in lines), out.stderr  # one line each
+    assert "\x1b" not in out.stderr and not any(line.startswith("skipped passwords") for line in lines)
+    assert any("\\nskipped passwords.txt: leaked.txt'" in line for line in lines)  # escaped, quoted: visible
+    assert any("\\x1b[2J\\x1b[31mred.bin'" in line for line in lines)
+
+
+def test_a_model_that_needs_its_own_code_is_one_error_line(tmp_path):
+    folder = tmp_path / "custom-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "bee_custom", "architectures": ["BeeForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_bee.BeeConfig", "AutoModelForCausalLM": "modeling_bee.BeeModel"}}))
+    ran = tmp_path / "the-code-ran"
+    for name in ("configuration_bee.py", "modeling_bee.py"):
+        (folder / name).write_text(f"open({str(ran)!r}, 'w').close()\n")
+    out = _cli("plan", "--model", str(folder), "--home", str(tmp_path))  # before: transformers' ValueError traceback
+    assert out.returncode == 2
+    line = _one_error_line(out)
+    assert "needs its own modelling code" in line and "--trust-remote-code" in line
+    assert not ran.exists()  # refused, never run
+
+
+@pytest.mark.model
 @pytest.mark.slow
 def test_cli_ingest_fails_when_the_kv_store_cannot_write(tmp_path, default_model):
     import shutil

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,23 @@ def test_links_out_of_the_folder_are_refused_unless_asked(tmp_path):
     assert followed.skipped == []
 
 
+def test_a_symlink_loop_is_skipped_not_fatal(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "good.txt").write_text(GOOD)
+    (folder / "a.txt").symlink_to(folder / "b.txt")  # a -> b -> a
+    (folder / "b.txt").symlink_to(folder / "a.txt")
+    (folder / "sub" / "self.md").symlink_to(folder / "sub" / "self.md")
+    for follow in (False, True):  # before: RuntimeError "Symlink loop from ..." out of the walk, nothing loaded
+        report = load_paths_report([folder], follow_symlinks=follow)
+        assert [f.name for f in report.files] == ["good.txt"]
+        reasons = {Path(s.path).name: s.reason for s in report.skipped}
+        assert set(reasons) == {"a.txt", "b.txt", "self.md"}
+        assert all(r.startswith("symbolic link loop") for r in reasons.values())
+    with pytest.raises(ConfigError, match="a.txt: symbolic link loop"):  # named on its own: a clear error
+        load_paths([folder / "a.txt"])
+
+
 def test_fifos_never_hang_a_load(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
@@ -108,23 +127,60 @@ def test_html_and_pdf_loaders(tmp_path):
     assert "no text layer" in reasons["scan.pdf"] and "broken.pdf" in reasons
 
 
-def _text_pdf(text: str) -> bytes:
-    """A one-page PDF whose text layer is `text` (Helvetica), written by hand: no PDF writer needed."""
-    stream = f"BT /F1 12 Tf 20 100 Td ({text}) Tj ET".encode()
-    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 400 200] /Contents 4 0 R "
-               b"/Resources << /Font << /F1 5 0 R >> >> >>",
-               b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
+def test_deep_or_large_json_and_huge_html_are_skipped_with_a_bound(tmp_path):
+    pytest.importorskip("bs4")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "good.txt").write_text(GOOD)
+    (folder / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # before: RecursionError, folder aborted
+    (folder / "deep.jsonl").write_text('"a fine first line"\n' + "{\"a\": " * 50_000 + "1" + "}" * 50_000 + "\n")
+    (folder / "big.json").write_text("[" + ",".join(["{}"] * 12_000_000) + "]")  # 36 MB: ~800 MB parsed
+    # 2 MB of tags: BeautifulSoup's tree would take ~270 MB of memory for it (a 20 MB file: ~3 GB)
+    (folder / "tags.html").write_text("<html><body>" + "<b>x</b>" * 250_000 + "</body></html>")
+    (folder / "page.html").write_text("<html><head><title>Bees</title></head><body><p>Bees see ultraviolet light."
+                                      "</p></body></html>")
+    (folder / "docs.jsonl").write_text("".join(json.dumps({"text": f"Fact {i} about bees."}) + "\n" for i in range(3)))
+    report = load_paths_report([folder])
+    assert [f.name for f in report.files] == ["docs.jsonl", "good.txt", "page.html"]
+    assert len(report.texts) == 5
+    reasons = {Path(s.path).name: s.reason for s in report.skipped}
+    assert set(reasons) == {"deep.json", "deep.jsonl", "big.json", "tags.html"}, reasons
+    assert reasons["deep.json"].startswith("JSON nested too deeply")
+    assert reasons["deep.jsonl"].startswith("JSON on line 2 nested too deeply")
+    assert reasons["big.json"].startswith("JSON too large") and "JSON Lines" in reasons["big.json"]
+    assert reasons["tags.html"].startswith("HTML with 500,004 tags (over 400,000")
+
+
+def _pdf(content: bytes, *, pages: int = 1, deflate: bool = False, xref_entries: int | None = None) -> bytes:
+    """A PDF whose `pages` pages all draw the one content stream `content` (Helvetica), written by hand: no PDF
+    writer needed. `deflate` compresses the stream; `xref_entries` overrides the count the xref table declares."""
+    stream = zlib.compress(content, 9) if deflate else content
+    kids = b" ".join(b"%d 0 R" % (5 + i) for i in range(pages))
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [%s] /Count %d >>" % (kids, pages),
+               b"<< /Length %d%s >>\nstream\n" % (len(stream), b" /Filter /FlateDecode" if deflate else b"")
+               + stream + b"\nendstream",
                b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    objects += [b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 400 200] /Contents 3 0 R "
+                b"/Resources << /Font << /F1 4 0 R >> >> >>"] * pages
     out, offsets = bytearray(b"%PDF-1.4\n"), []
     for i, body in enumerate(objects, 1):
         offsets.append(len(out))
         out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
     xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (xref_entries or len(objects) + 1)
     out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
     out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
     return bytes(out)
+
+
+def _text_pdf(text: str) -> bytes:
+    """A one-page PDF whose text layer is `text`."""
+    return _pdf(f"BT /F1 12 Tf 20 100 Td ({text}) Tj ET".encode())
+
+
+def _lines(count: int) -> bytes:
+    """A content stream drawing `count` lines of text."""
+    return b"".join(b"BT /F1 12 Tf 20 %d Td (line %d of a page of text) Tj ET\n" % (i % 200, i) for i in range(count))
 
 
 def test_pdf_text_is_read(tmp_path):
@@ -133,6 +189,50 @@ def test_pdf_text_is_read(tmp_path):
     report = load_paths_report([tmp_path])
     assert report.skipped == [] and [t.text for t in report.texts] == ["A honeybee has five eyes."]
     assert report.texts[0].title == "bees"
+
+
+def test_a_pdf_past_pypdfs_limits_is_skipped(tmp_path):
+    pytest.importorskip("pypdf")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "good.txt").write_text(GOOD)
+    # 100 MB of text in a ~100 KB stream: pypdf stops decompressing at 75 MB with LimitReachedError, which is not a
+    # PdfReadError (before: the error left load_paths_report, and nothing of the folder was read)
+    (folder / "bomb.pdf").write_bytes(_pdf(_lines(1) + b" " * 100_000_000, deflate=True))
+    (folder / "xref.pdf").write_bytes(_pdf(_lines(1), xref_entries=99_999_999))  # a table larger than the file
+    report = load_paths_report([folder])
+    assert [f.name for f in report.files] == ["good.txt"]
+    reasons = {Path(s.path).name: s.reason for s in report.skipped}
+    assert set(reasons) == {"bomb.pdf", "xref.pdf"}
+    assert all(r.startswith("PDF past pypdf's safety limits") for r in reasons.values()), reasons
+
+
+def test_pdf_extraction_work_is_bounded(tmp_path, monkeypatch):
+    pytest.importorskip("pypdf")
+    from cacheblend_rag.ingest import loaders
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "good.txt").write_text(GOOD)
+    # 59 KB on disk: 200 pages that each draw one 1.2 MB stream, 235 MB to parse (before: ~3 minutes here)
+    (folder / "shared.pdf").write_bytes(_pdf(_lines(20_000), pages=200, deflate=True))
+    started = time.monotonic()
+    report = load_paths_report([folder])
+    assert time.monotonic() - started < 30  # refused from the streams' size, before any page is parsed
+    assert [f.name for f in report.files] == ["good.txt"]
+    [skipped] = report.skipped
+    assert "content streams" in skipped.reason and "64 MiB" in skipped.reason, skipped.reason
+
+    # under the size bound, a slow extraction is stopped by the time bound (lowered here to keep the test short)
+    monkeypatch.setattr(loaders, "PDF_SECONDS", 1.0)
+    (folder / "shared.pdf").write_bytes(_pdf(_lines(3_000), pages=100, deflate=True))
+    started = time.monotonic()
+    report = load_paths_report([folder])
+    assert time.monotonic() - started < 30  # ~1 s (the whole file: ~15 s)
+    [skipped] = report.skipped
+    assert "took over 1 s" in skipped.reason, skipped.reason
+    (folder / "shared.pdf").write_bytes(_pdf(_lines(10), pages=2))  # a small one is read as before
+    assert load_paths_report([folder]).skipped == []
 
 
 # ---- with the real model and a real Chroma ---------------------------------------------------

@@ -92,3 +92,22 @@ def test_plan_text_output_names_the_codecs(tmp_path, capsys, tokenizer):
     out = capsys.readouterr().out
     assert "4 layers x 2 KV heads x head_dim 16" in out and "2 chunks, 1,000 tokens" in out
     assert all(codec in out for codec in ("fp16", "int8", "cachegen")) and "estimate" in out
+
+
+def test_plan_of_a_huge_token_count_is_closed_form_and_an_absurd_one_an_error(tmp_path, capsys, tokenizer):
+    import time
+
+    folder = tmp_path / "tiny-llama"
+    tiny_model("llama", len(tokenizer)).save_pretrained(folder)
+    started = time.monotonic()
+    # before: a list of 2e11 chunk sizes (MemoryError; 1e11 tokens took > 10 min and 3.4 GB)
+    plan = _plan(capsys, "--model", str(folder), "--tokens", str(10**14 + 1))
+    assert time.monotonic() - started < 60
+    assert plan["corpus"] == {"chunks": 10**14 // 512 + 1, "tokens": 10**14 + 1}
+    assert plan["codecs"]["fp16"]["corpus_bytes"] == (10**14 + 1) * (4 * 2 * 32 * 2 + 8)
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--model", str(folder), "--tokens", str(10**16)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: cacheblend-rag plan: argument --tokens") \
+        and "more than any corpus" in err

@@ -56,6 +56,50 @@ def test_split_respects_the_token_budget(tokenizer):
     assert [r.chunk_id for r in again] == [r.chunk_id for r in records]
 
 
+def test_a_line_without_spaces_is_split_in_linear_time(tokenizer, monkeypatch):
+    import random
+    import time
+
+    rng = random.Random(0)
+    calls = []
+    tokenize = tokenizer.tokenize
+    monkeypatch.setattr(tokenizer, "tokenize", lambda text, **kw: calls.append(len(text)) or tokenize(text, **kw))
+    line = "".join(rng.choices("abcdefghijklmnopqrstuvwxyz0123456789", k=1_000_000))  # 1 MB, one line
+    started = time.monotonic()
+    records = split_texts([SourceText(line, "line.txt")], tokenizer)
+    elapsed = time.monotonic() - started
+    # before: three tokenizer calls per character (3,000,000 calls; ~28 s here, 188 s/MB on a slower machine)
+    assert len(calls) < 100, len(calls)
+    assert elapsed < 30  # ~1 s; a generous bound on a shared machine
+    assert "".join(r.text for r in records) == line  # cut, nothing lost
+    sizes = [len(tokenizer(r.text, add_special_tokens=False)["input_ids"]) for r in records]
+    assert max(sizes) <= 512 + 2 and sum(sizes) < len(line)  # chunks of ~512 real tokens (before: 512 characters)
+
+    # a run shorter than that, between words: cut the same way, the words around it kept whole
+    run = line[:5_000]
+    records = split_texts([SourceText(f"Bees dance. {run} Bees sting.", "mixed.txt")], tokenizer, chunk_tokens=128,
+                          overlap_tokens=16)
+    texts = [r.text for r in records]
+    assert texts[0] == "Bees dance." and texts[-1] == "Bees sting."
+    assert all(len(tokenizer(t, add_special_tokens=False)["input_ids"]) <= 128 + 2 for t in texts)
+    assert texts[1].startswith(run[:100]) and texts[-2].endswith(run[-100:])
+
+
+def test_split_of_ordinary_text_is_langchains(tokenizer):
+    from langchain_text_splitters import RecursiveCharacterTextSplitter
+
+    from cacheblend_rag.ingest.chunks import normalize_text
+
+    docs = [p.read_text() for p in sorted(DATA.iterdir())] + [(DATA.parents[1] / "README.md").read_text()]
+    for chunk_tokens, overlap in ((512, 0), (64, 16)):
+        plain = RecursiveCharacterTextSplitter.from_huggingface_tokenizer(tokenizer, chunk_size=chunk_tokens,
+                                                                          chunk_overlap=overlap)
+        for doc in docs:
+            ours = split_texts([SourceText(doc, "doc")], tokenizer, chunk_tokens=chunk_tokens, overlap_tokens=overlap)
+            expected = dict.fromkeys(n for n in map(normalize_text, plain.split_text(doc)) if n)
+            assert [r.text for r in ours] == list(expected)
+
+
 def test_prompt_format_round_trip():
     chunks = ["First passage.\nWith two lines.", "Second passage  \n", "Third."]
     text = render_prompt(chunks, "What is it?")

@@ -252,3 +252,55 @@ def test_a_bad_collection_name_is_400_without_server_paths(server, home):
         assert r.status_code == 400, (name, r.text)
         assert str(home) not in r.text and "/chroma" not in r.text
     assert not (home / "chroma").exists()
+
+
+# ---- 12-15 of issue 38: what the tool and schema paths cannot take is a 400, never a 500 -----------------------
+
+
+def _nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _tools(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "lookup", "parameters": parameters}}]
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def _history(arguments: str) -> list[dict]:
+    return [{"role": "user", "content": "Look it up."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "found"},
+            {"role": "user", "content": "And then?"}]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_tool_and_schema_input_the_server_cannot_take_is_400(server):
+    big = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2**70}}}
+    bad = [  # before: 500 (AttributeError, ValueError from the grammar engine, RecursionError, RecursionError)
+        ({"tools": _tools({"type": "object"}), "tool_choice": {"type": "function", "function": "lookup"}},
+         'tool_choice\'s "function" must be an object'),
+        ({"tools": _tools(big)}, "signed 64-bit range"),
+        ({"response_format": _schema_format({"type": "integer", "maximum": 2**65})}, "signed 64-bit range"),
+        ({"tools": _tools(_nested_schema(300))}, "more than 64 levels"),
+        ({"response_format": _schema_format(_nested_schema(300))}, "more than 64 levels"),
+        ({"tools": _tools({"type": "object"}), "messages": _history("[" * 5_000 + "]" * 5_000)}, "more than 64 levels"),
+    ]
+    for extra, says in bad:
+        r = _post(server, _chat_body(**extra))
+        assert r.status_code == 400, (says, r.text)
+        error = _error(r)
+        assert error["type"] == "invalid_request_error" and says in error["message"], error
+    fine = [{"response_format": _schema_format(_nested_schema(20))},  # nested, but within the bound
+            {"tools": _tools({"type": "object"}), "messages": _history(json.dumps({"a": [[[1]]]}))}]
+    for extra in fine:
+        r = _post(server, _chat_body(**extra))
+        assert r.status_code == 200, r.text
+    assert "Traceback" not in server.log.read_text()

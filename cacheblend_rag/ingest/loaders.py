@@ -10,8 +10,14 @@ HTML is read with BeautifulSoup (visible text, `<title>` as title), PDF with pyp
 both are optional (`pip install 'cacheblend-rag[documents]'`).
 
 A file that cannot be used — not valid UTF-8, invalid JSON, empty, unreadable, of an unsupported type, not a
-regular file (a FIFO, a socket, a device), or a symbolic link out of the folder being ingested — is never fatal
-to a folder: it is listed in `LoadResult.skipped` with the reason, and the other files are read.
+regular file (a FIFO, a socket, a device), a symbolic link out of the folder being ingested or a link loop, or
+one past a per-file bound below — is never fatal to a folder: it is listed in `LoadResult.skipped` with the
+reason, and the other files are read.
+
+Per-file bounds (memory and work, as parsing costs a multiple of a file's size): any file ≤ 256 MiB; JSON nested
+less deeply than Python's parser allows (~1,000 levels) and a .json ≤ 32 MiB (a .jsonl is parsed a line at a
+time, each line ≤ 32 MiB); HTML ≤ 400,000 tags; a PDF within pypdf's own limits, with ≤ 64 MiB of page content
+streams, extracted within 120 s.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +41,15 @@ DOCUMENT_SUFFIXES = (".html", ".htm", ".pdf")
 SUFFIXES = TEXT_SUFFIXES + DOCUMENT_SUFFIXES
 DEFAULT_CHUNK_TOKENS = 512
 MAX_FILE_BYTES = 256 * 2**20  # a bigger file is skipped (reading it whole would cost that much memory)
+# A PDF's text extraction parses every page's content stream, and a small file can hold a lot of it (200 pages
+# sharing one compressed stream): a PDF with more content than this, or whose extraction runs longer, is skipped.
+MAX_PDF_CONTENT_BYTES = 64 * 2**20  # a 1,000-page book holds ~10-50 MiB; pypdf extracts ~1-2 MiB/s of it here
+PDF_SECONDS = 120.0
+# Parsed, a file takes a multiple of its size in memory: JSON up to ~20x (a list of empty objects), HTML ~550 bytes
+# per tag in BeautifulSoup's tree (20 MB of tags: ~3 GB). Bigger ones are skipped; JSON Lines are parsed a line
+# at a time, so only each line is bounded.
+MAX_JSON_BYTES = 32 * 2**20  # ≤ ~700 MB parsed
+MAX_HTML_TAGS = 400_000  # counted as "<" characters; ≤ ~220 MB parsed (a long Wikipedia article has ~100,000)
 
 
 @dataclass(frozen=True)
@@ -100,6 +116,14 @@ def _is_within(path: Path, root: Path) -> bool:
         return False
 
 
+def _link_target(path: Path) -> Path | None:
+    """Where a symbolic link leads, fully resolved; None for a link loop (`a -> b -> a`, or one to itself)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):  # RuntimeError up to Python 3.12, OSError (ELOOP) from 3.13
+        return None
+
+
 def _walk(root: Path, follow_symlinks: bool, skipped: list[SkippedFile]) -> Iterator[Path]:
     """Candidate files under a folder, sorted; hidden entries are left out; links out of `root` are refused."""
     real_root = root.resolve()
@@ -122,7 +146,10 @@ def _walk(root: Path, follow_symlinks: bool, skipped: list[SkippedFile]) -> Iter
                 continue
             path = Path(entry.path)
             if entry.is_symlink():
-                target = path.resolve()
+                target = _link_target(path)
+                if target is None:
+                    skipped.append(SkippedFile(str(path), "symbolic link loop (its chain of links never reaches a file)"))
+                    continue
                 if not follow_symlinks and not _is_within(target, real_root):
                     skipped.append(SkippedFile(str(path), f"symbolic link to {target}, outside {root}; "
                                                           "pass --follow-symlinks (follow_symlinks=True) to read it"))
@@ -168,7 +195,10 @@ def iter_files(
                 raise ConfigError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
             files.append(path)
         elif path.is_symlink():
-            raise ConfigError(f"{path}: broken symbolic link to {path.resolve()}")
+            target = _link_target(path)
+            if target is None:
+                raise ConfigError(f"{path}: symbolic link loop (its chain of links never reaches a file)")
+            raise ConfigError(f"{path}: broken symbolic link to {target}")
         else:
             raise ConfigError(f"{path}: no such file or folder")
     return list(dict.fromkeys(files))
@@ -222,11 +252,30 @@ def _from_json_item(item, source: str) -> list[SourceText]:
     return []
 
 
+def _parse_json(text: str, where: str = ""):
+    """One JSON text, parsed; FileSkipped when it is too large, nested too deeply or not JSON."""
+    if len(text) > MAX_JSON_BYTES:  # characters: a lower bound of its bytes
+        raise FileSkipped(f"JSON{where} too large to parse ({len(text) / 2**20:.0f} MiB > "
+                          f"{MAX_JSON_BYTES // 2**20} MiB; parsed JSON can take ~20x its size in memory): split it, "
+                          "or write it as JSON Lines (one document per line)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FileSkipped(f"invalid JSON{where} ({e})") from e
+    except RecursionError:
+        raise FileSkipped(f"JSON{where} nested too deeply to parse (Python's parser stops at ~1,000 levels)") from None
+
+
 def _html_texts(raw: bytes, source: str, path: Path) -> list[SourceText]:
     try:
         from bs4 import BeautifulSoup
     except ImportError as e:
         raise MissingDependencyError("HTML files need beautifulsoup4: pip install 'cacheblend-rag[documents]'") from e
+    tags = raw.count(b"<")
+    if tags > MAX_HTML_TAGS:
+        raise FileSkipped(f"HTML with {tags:,} tags (over {MAX_HTML_TAGS:,}: its parse tree would take "
+                          f"~{tags * 550 / 2**20:,.0f} MiB of memory); convert it to text first (e.g. with "
+                          "html2text or pandoc) and ingest the .txt")
     soup = BeautifulSoup(raw, "html.parser")  # the stdlib parser: no lxml needed; bs4 detects the encoding
     for tag in soup(["script", "style", "noscript", "template"]):
         tag.decompose()
@@ -237,24 +286,46 @@ def _html_texts(raw: bytes, source: str, path: Path) -> list[SourceText]:
     return [SourceText(f"{title}\n{body}" if body else "", source, title)]
 
 
+def _content_bytes(page) -> int:
+    """Bytes of a PDF page's content stream(s), decoded: what its text extraction parses (form XObjects aside)."""
+    contents = page.get_contents()
+    return len(contents.get_data()) if contents is not None else 0
+
+
 def _pdf_texts(path: Path, raw: bytes, source: str) -> list[SourceText]:
     try:
         from pypdf import PdfReader
-        from pypdf.errors import PdfReadError
+        from pypdf.errors import LimitReachedError
     except ImportError as e:
         raise MissingDependencyError("PDF files need pypdf: pip install 'cacheblend-rag[documents]'") from e
     import io
+    import time
+
+    hint = "split it (qpdf --split-pages) or convert it to text (pdftotext) and ingest the .txt"
+    deadline = time.monotonic() + PDF_SECONDS
+
+    def in_time(*_) -> None:  # pypdf calls it before each operator, those of form XObjects included
+        if time.monotonic() > deadline:
+            raise FileSkipped(f"PDF text extraction took over {PDF_SECONDS:.0f} s; {hint}")
 
     try:
         reader = PdfReader(io.BytesIO(raw))
         if reader.is_encrypted:
             raise FileSkipped("encrypted PDF")
-        pages = [page.extract_text() or "" for page in reader.pages]
+        pages = list(reader.pages)
+        content = sum(_content_bytes(page) for page in pages)  # decoding is cheap; parsing it is what costs
+        if content > MAX_PDF_CONTENT_BYTES:
+            raise FileSkipped(f"PDF pages hold {content / 2**20:.0f} MiB of content streams (over "
+                              f"{MAX_PDF_CONTENT_BYTES // 2**20} MiB: too costly to extract); {hint}")
+        texts = [page.extract_text(visitor_operand_before=in_time) or "" for page in pages]
     except FileSkipped:
         raise
-    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as e:
+    except LimitReachedError as e:
+        raise FileSkipped(f"PDF past pypdf's safety limits ({e})") from e
+    except Exception as e:  # a broken or hostile PDF can make pypdf raise nearly anything: skip it, say what
+        logger.debug("pypdf failed on %s", path, exc_info=True)
         raise FileSkipped(f"unreadable PDF ({type(e).__name__}: {e})") from e
-    body = "\n\n".join(p.strip() for p in pages if p.strip())
+    body = "\n\n".join(t.strip() for t in texts if t.strip())
     if not body:
         raise FileSkipped("no text layer (a scanned PDF needs OCR first)")
     return [SourceText(body, source, path.stem)]
@@ -276,18 +347,14 @@ def read_file(path: str | os.PathLike[str]) -> list[SourceText]:
         text = _decode(raw)
         if suffix in (".txt", ".md"):
             out = [SourceText(text, source, path.stem)]
+        elif suffix == ".jsonl":  # a line at a time: only its texts are kept
+            out = [t for number, line in enumerate(text.splitlines(), 1) if line.strip()
+                   for t in _from_json_item(_parse_json(line, f" on line {number}"), source)]
         else:
-            try:
-                if suffix == ".jsonl":
-                    items = [json.loads(line) for line in text.splitlines() if line.strip()]
-                else:
-                    data = json.loads(text) if text.strip() else []
-                    if isinstance(data, dict):
-                        data = data.get("documents", data.get("data", [data]))
-                    items = data if isinstance(data, list) else [data]
-            except json.JSONDecodeError as e:
-                raise FileSkipped(f"invalid JSON ({e})") from e
-            out = [t for item in items for t in _from_json_item(item, source)]
+            data = _parse_json(text) if text.strip() else []
+            if isinstance(data, dict):
+                data = data.get("documents", data.get("data", [data]))
+            out = [t for item in (data if isinstance(data, list) else [data]) for t in _from_json_item(item, source)]
     out = [t for t in out if normalize_text(t.text)]
     if not out:
         raise FileSkipped("empty: no text to ingest", empty=True)
@@ -339,10 +406,59 @@ def load_paths(
     return result.files, result.texts
 
 
+# RecursiveCharacterTextSplitter's separators without its last, "": that one splits a run without spaces or
+# newlines into single characters and tokenizes each one three times (~30 µs a character, ~60 B of memory each),
+# so such a run is cut at the tokenizer's own token boundaries instead (`_token_pieces`), in one pass.
+_SEPARATORS = ["\n\n", "\n", " "]
+_RUN = re.compile(r"[^ \n]+")
+_LONG_RUN_CHUNKS = 16  # a run of over 16 chunks' worth of characters is cut before the splitter sees it
+_WINDOW_CHARS = 2**20  # tokenized at a time when cutting a run: bounds the memory of a huge one
+
+
+def _token_pieces(text: str, tokenizer, chunk_tokens: int, overlap_tokens: int) -> list[str]:
+    """`text` in pieces of `chunk_tokens` tokens (neighbours sharing `overlap_tokens`), cut where the tokenizer's
+    tokens start: one tokenization per window of the text, so linear in its length."""
+    if not getattr(tokenizer, "is_fast", False):  # no offsets: a token per character at most, as the splitter did
+        step = chunk_tokens - overlap_tokens
+        return [text[i:i + chunk_tokens] for i in range(0, max(len(text) - overlap_tokens, 1), step)]
+    step, pieces, pos = chunk_tokens - overlap_tokens, [], 0
+    while pos < len(text):
+        window = text[pos:pos + _WINDOW_CHARS]
+        last = pos + len(window) >= len(text)
+        offsets = tokenizer(window, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        starts = [start for start, _ in offsets]
+        i = 0
+        while i + chunk_tokens < len(starts):
+            pieces.append(window[starts[i]:starts[i + chunk_tokens]])
+            i += step
+        if last or i == 0:  # the rest of the text, or a window without one whole piece (tokens of > 1 KiB)
+            pieces.append(window[starts[i]:] if starts else window)
+            pos += len(window)
+        else:
+            pos += starts[i]  # the next piece starts there: tokenized again with what follows
+    return pieces
+
+
+def _long_runs(text: str, min_chars: int) -> Iterator[tuple[str, bool]]:
+    """`text` as (segment, whether it is a run without spaces or newlines of `min_chars` or more), in order."""
+    start = 0
+    for run in _RUN.finditer(text):
+        if run.end() - run.start() >= min_chars:
+            if run.start() > start:
+                yield text[start:run.start()], False
+            yield run.group(), True
+            start = run.end()
+    if start < len(text):
+        yield text[start:], False
+
+
 def split_texts(
     texts: Sequence[SourceText], tokenizer, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap_tokens: int = 0
 ) -> list[ChunkRecord]:
-    """Split into chunks of at most ~`chunk_tokens` model tokens; duplicates (same id) are kept once."""
+    """Split into chunks of at most ~`chunk_tokens` model tokens; duplicates (same id) are kept once.
+
+    Paragraphs, lines and words are kept whole as RecursiveCharacterTextSplitter keeps them; a run without spaces
+    or newlines longer than a chunk is cut at token boundaries, in time linear in its length."""
     try:
         from langchain_text_splitters import RecursiveCharacterTextSplitter
     except ImportError as e:
@@ -350,11 +466,25 @@ def split_texts(
     if chunk_tokens < 16 or not 0 <= overlap_tokens < chunk_tokens:
         raise ConfigError(f"need chunk_tokens ≥ 16 and 0 ≤ overlap < chunk_tokens, got {chunk_tokens}, {overlap_tokens}")
     splitter = RecursiveCharacterTextSplitter.from_huggingface_tokenizer(
-        tokenizer, chunk_size=chunk_tokens, chunk_overlap=overlap_tokens
+        tokenizer, chunk_size=chunk_tokens, chunk_overlap=overlap_tokens, separators=_SEPARATORS
     )
+
+    def cut(piece: str) -> list[str]:  # a piece the splitter could not split (no separator in it) may be too long
+        if any(sep in piece.strip() for sep in _SEPARATORS) or \
+                len(tokenizer(piece, add_special_tokens=False)["input_ids"]) <= chunk_tokens:
+            return [piece]
+        return _token_pieces(piece.strip(), tokenizer, chunk_tokens, overlap_tokens)
+
+    def split(text: str) -> list[str]:
+        pieces = []
+        for segment, long_run in _long_runs(text, _LONG_RUN_CHUNKS * chunk_tokens):
+            pieces += _token_pieces(segment, tokenizer, chunk_tokens, overlap_tokens) if long_run else \
+                [p for piece in splitter.split_text(segment) for p in cut(piece)]
+        return pieces
+
     records: dict[str, ChunkRecord] = {}
     for t in texts:
-        pieces = [t.text] if t.presplit else splitter.split_text(t.text)
+        pieces = [t.text] if t.presplit else split(t.text)
         for i, piece in enumerate(pieces):
             norm = normalize_text(piece)
             if not norm:

@@ -379,6 +379,20 @@ def hub_folder(repo_id: str, *, revision: str | None = None, cache_dir: str | os
     return folder
 
 
+@contextmanager
+def _refusing_remote_code(name: str, trust_remote_code: bool) -> Iterator[None]:
+    """transformers' refusal of a model's own code (a ValueError naming trust_remote_code) as a ConfigError that
+    says how to allow it, so the CLI prints one `error:` line instead of a traceback."""
+    try:
+        yield
+    except ValueError as e:
+        if trust_remote_code or "trust_remote_code" not in str(e):
+            raise
+        raise ConfigError(f"model {name!r} needs its own modelling code (its config names classes transformers "
+                          "does not have), which is not run unless asked: pass --trust-remote-code "
+                          "(trust_remote_code=True) if you trust its authors") from e
+
+
 def load_config_and_tokenizer(
     name_or_path: str | os.PathLike[str] = DEFAULT_MODEL,
     home: str | os.PathLike[str] | None = None,
@@ -400,9 +414,10 @@ def load_config_and_tokenizer(
                                cache_dir=cache_dir)
     else:
         folder = model_folder(name, home, revision=revision, cache_dir=cache_dir, trust_remote_code=trust_remote_code)
-    config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True,
-                                        trust_remote_code=trust_remote_code) if tokenizer else None
+    with _refusing_remote_code(name, trust_remote_code):
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                            trust_remote_code=trust_remote_code) if tokenizer else None
     return config, tok
 
 
@@ -454,9 +469,10 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, local_files_only=True,
-                                                 trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    with _refusing_remote_code(str(name_or_path), trust_remote_code):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt, local_files_only=True,
+                                                     trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     model.to(dev).eval()
     logger.info("loaded %s (%s, %s) in %.1f s", name_or_path, dev, dt, time.perf_counter() - started)
     return model, tokenizer

@@ -9,6 +9,8 @@ as other OpenAI-compatible servers do, so stock clients work unchanged; fields w
 from __future__ import annotations
 
 import ipaddress
+import json
+import math
 import re
 from typing import Any, Literal
 
@@ -21,6 +23,8 @@ from ..fuse.policy import Policy
 from ..ingest.chunks import looks_like_chunk_id
 
 MAX_STOP = 4  # as OpenAI
+MAX_JSON_DEPTH = 64  # nesting (objects and arrays) of a tool's or response_format's schema, and of call arguments
+SCHEMA_INT_BOUND = 2**63  # a schema's integers (bounds, consts, enums): the grammar engine's are signed 64-bit
 # Chroma's own rule for collection names: 3-512 of [A-Za-z0-9._-], alphanumeric at both ends, no "..", not an IP
 _COLLECTION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,510}[A-Za-z0-9]")
 
@@ -35,6 +39,23 @@ def _utf8(value: Any, where: str) -> None:
         except UnicodeEncodeError as e:
             raise ValueError(f"{where} is not valid text ({e.reason} at position {e.start}); send UTF-8 text") \
                 from None
+
+
+def check_json(value: Any, where: str, *, schema: bool = False) -> None:
+    """Refuse a JSON value nested deeper than MAX_JSON_DEPTH and, in a schema, a number the grammar engine cannot
+    take (an integer outside ±2^63, a non-finite float): walked without recursion, so any depth is safe to check."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth == MAX_JSON_DEPTH:
+                raise ValueError(f"{where}: more than {MAX_JSON_DEPTH} levels of nested objects and arrays")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+        elif schema and isinstance(item, int) and not isinstance(item, bool) \
+                and not -SCHEMA_INT_BOUND <= item < SCHEMA_INT_BOUND:
+            raise ValueError(f"{where}: an integer outside the signed 64-bit range (±2^63) the grammar engine takes")
+        elif schema and isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{where}: a number that is not finite")
 
 
 class _Body(BaseModel):
@@ -223,6 +244,18 @@ class FunctionCall(_Body):
     name: str = Field(min_length=1)
     arguments: str = "{}"
 
+    @field_validator("arguments")
+    @classmethod
+    def _not_too_deep(cls, value: str) -> str:
+        try:
+            check_json(json.loads(value), "the call's arguments")
+        except RecursionError:
+            raise ValueError(f"the call's arguments: more than {MAX_JSON_DEPTH} levels of nested objects and arrays") \
+                from None
+        except json.JSONDecodeError:
+            pass  # said when the chat is rendered, naming the call
+        return value
+
 
 class MessageToolCall(_Body):
     """One tool call of an earlier assistant message (`message.tool_calls[i]` sent back)."""
@@ -268,6 +301,12 @@ class FunctionSpec(_Body):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # accepted; the arguments' schema is always enforced
 
+    @field_validator("parameters")
+    @classmethod
+    def _compilable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        check_json(value, "the schema", schema=True)
+        return value
+
 
 class Tool(_Body):
     """One entry of `tools`."""
@@ -287,6 +326,12 @@ class JSONSchemaFormat(_Body):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # accepted; the schema is always enforced
+
+    @field_validator("schema_")
+    @classmethod
+    def _compilable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        check_json(value, "the schema", schema=True)
+        return value
 
 
 class ResponseFormat(_Body):

@@ -94,6 +94,14 @@ def test_a_forced_tool_call_invoked_and_streamed(chat):
     assert [(c["name"], c["args"]) for c in full.tool_calls] == [("magic_function", {"input": 3})]
 
 
+def test_a_malformed_tool_choice_is_a_clear_error(chat):
+    from cacheblend_rag.errors import ConfigError
+
+    with pytest.raises(ConfigError, match='"function" must be an object'):  # before: AttributeError on a str
+        chat.bind_tools([magic_function], tool_choice={"type": "function", "function": "magic_function"})
+    chat.bind_tools([magic_function], tool_choice={"type": "function", "function": {"name": "magic_function"}})
+
+
 @tool
 def get_weather(city: str) -> str:
     """The current weather in a city."""
