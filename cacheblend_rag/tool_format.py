@@ -92,6 +92,14 @@ class ToolFormat:
         first = "".join(sorted({"\\/" if o[0] == "/" else re.escape(o[0]) for o in self.openers}))
         return f"/[^{first}][\\s\\S]*/"
 
+    @property
+    def answer_text(self) -> str:
+        """A Lark regex of the answer under tool_choice "none": text whose first character past any whitespace
+        starts no call in any form the parser takes (framed, bare JSON, a ```json block: no backtick either).
+        Asked for no call, Qwen2.5-Coder-0.5B writes its call as a ```json block or after a space instead."""
+        first = "".join(sorted({"\\/" if o[0] == "/" else re.escape(o[0]) for o in self.openers} | {"`"}))
+        return f"/\\s*[^\\s{first}][\\s\\S]*/"
+
     def calls_rule(self, call_json: str, parallel: bool, bare: bool = True) -> str:
         """The Lark rules `calls` (one call, or with `parallel` and a template that allows it, one or more) around
         a call's JSON schema text (the rule `object`); with `bare`, the call's JSON object alone is a call too (one

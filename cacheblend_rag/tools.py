@@ -122,8 +122,8 @@ def tool_grammar(functions: Sequence[dict[str, Any]], choice: str, answer: dict[
     `answer`: a JSON schema the plain answer must match instead ("auto" with a response format: a call or that
     JSON, which the call parser tells apart). `parallel`: one or more calls, joined as `fmt` joins them."""
     text = fmt.plain_text
-    if choice == "none":  # plain text that cannot start a call (or the response format's JSON)
-        return Grammar.lark(f"start: {text}\n") if answer is None else Grammar.json_schema(answer)
+    if choice == "none":  # plain text that cannot start a call in any form (or the response format's JSON)
+        return Grammar.lark(f"start: {fmt.answer_text}\n") if answer is None else Grammar.json_schema(answer)
     targets = [fn for fn in functions if choice in ("auto", "required") or fn["name"] == choice]
     # JSON embedded in Lark gets the same spacing options as a plain schema: without them whitespace is free
     # inside a call, and SmolLM2 emitted newlines after `"arguments": {` until max_tokens
@@ -186,31 +186,90 @@ def with_tools_prompt(messages: Sequence[dict[str, str]], functions: Sequence[di
     return with_system_text(messages, tools_prompt(functions, parallel))
 
 
+def call_key(name: str, arguments: Any) -> tuple[str, str]:
+    """A call's identity: its tool's name and its arguments as canonical JSON (key order aside)."""
+    return name, json.dumps(arguments, sort_keys=True)
+
+
+def answered_calls(messages: Sequence[dict[str, Any]]) -> frozenset[tuple[str, str]]:
+    """The calls (`call_key`) of OpenAI-shaped chat messages (an assistant message's `tool_calls: [{"id", "name",
+    "arguments"}]`, before a tool format renders them) whose result came back: a `tool` message after them."""
+    answered: set[tuple[str, str]] = set()
+    pending: list[tuple[str, str]] = []
+    for m in messages:
+        if m.get("role") == "tool":
+            answered.update(pending)
+        for call in m.get("tool_calls") or ():
+            pending.append(call_key(call["name"], call.get("arguments") or {}))
+    return frozenset(answered)
+
+
 @dataclass(frozen=True)
 class ToolTurn:
     """One answer's tool calling: the chat messages to render, the grammar of the answer, the functions its calls
-    are parsed for (none under "none"), and the tools the chat template lists itself (a native format), if any."""
+    are parsed for (none under "none"), and the tools the chat template lists itself (a native format), if any;
+    `choice` as normalized and the calls already answered in the conversation (`answered_calls`)."""
 
     messages: list[dict[str, Any]]
     grammar: Grammar | None = None
     functions: list[dict[str, Any]] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None  # for `Request.tools`
+    choice: str = "auto"
+    answered: frozenset[tuple[str, str]] = frozenset()
+
+    def repeats(self, calls: Sequence[ToolCall]) -> bool:
+        """Whether an answer under "auto" only repeats calls whose results the conversation already holds.
+
+        Such an answer is not a step: the same call brings back the same result, and an agent that runs it loops
+        until its recursion limit (Qwen2.5-Coder-0.5B writes the same call again after its result with p≈0.99,
+        SmolLM2-135M too). The integrations then decode the answer again under "none" (plain text; the prompt is
+        the same, so that second pass starts from the first one's stored prefix). A forced call ("required", a
+        tool's name) is kept: the caller asked for one."""
+        return self.choice == "auto" and bool(calls) and all(call_key(c.name, c.arguments) in self.answered
+                                                              for c in calls)
 
 
 def tool_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], choice: Any = None,
-              parallel: bool = False, fmt: ToolFormat = GENERIC) -> ToolTurn:
+              parallel: bool = False, fmt: ToolFormat = GENERIC,
+              answered: frozenset[tuple[str, str]] = frozenset()) -> ToolTurn:
     """One answer with these OpenAI tool specs bound, in `fmt` (`ToolFormat.of(tokenizer)`): the generic format
     adds the tools' system text to the messages, a native one hands the tools to the chat template; the grammar
-    `choice` asks for. Without tools, the messages as they are and no grammar."""
+    `choice` asks for. Without tools, the messages as they are and no grammar. `answered`: the conversation's
+    answered calls (`answered_calls` of the messages before `fmt` rendered them), for `ToolTurn.repeats`."""
     functions = functions_of(tools)
     if not functions:
-        return ToolTurn(list(messages))
+        return ToolTurn(list(messages), choice="none")
     choice = normalize_choice(choice, [f["name"] for f in functions])
     grammar = tool_grammar(functions, choice, parallel=parallel, fmt=fmt)
     called = [] if choice == "none" else functions
     if fmt.native:
-        return ToolTurn(list(messages), grammar, called, template_tools(functions))
-    return ToolTurn(with_tools_prompt(messages, functions, parallel), grammar, called)
+        return ToolTurn(list(messages), grammar, called, template_tools(functions), choice, answered)
+    return ToolTurn(with_tools_prompt(messages, functions, parallel), grammar, called, None, choice, answered)
+
+
+def answer_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], parallel: bool = False,
+                fmt: ToolFormat = GENERIC) -> ToolTurn:
+    """The answer after an "auto" answer that only repeated answered calls (`ToolTurn.repeats`): plain text from
+    the results. `messages`: OpenAI-shaped (before `fmt` renders them).
+
+    In the generic format, the same prompt under "none" (its tools' system text is the same whatever the choice,
+    so the answer starts from the repeated call's stored prefix; SmolLM2-135M then answers). A native format's
+    template lists the tools and shows the past calls, and Qwen2.5-Coder-0.5B writes its call again even under
+    "none" (as a ```json block, after "(", after a sentence: measured on the RAG agent's step after a retriever
+    result); so the conversation is folded: no tools listed, past calls left out (an assistant turn keeps its
+    text, if any), each result a `<tool_response>` user turn, verbatim (stored chunks in it are still found and
+    fused). There the model answers from the result ("5" to "How many eyes does a honeybee have?")."""
+    if not fmt.native:
+        return tool_turn(fmt.chat_messages(messages), tools, "none", parallel, fmt)
+    folded: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            folded.append(result_message(m["content"]))
+        elif not m.get("tool_calls"):
+            folded.append({"role": m["role"], "content": m["content"]})
+        elif m["content"]:
+            folded.append({"role": m["role"], "content": m["content"]})
+    return ToolTurn(folded, Grammar.lark(f"start: {fmt.answer_text}\n"), choice="none")
 
 
 def template_tools(functions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ message), and `response_format` a JSON schema the answer must match.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
@@ -49,6 +50,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr
 from ._common import EngineFields, call_settings, check_call_kwargs, close_stream, learn_retrieved, usage
 
 __all__ = ["ChatCacheBlend", "StructuredOutputError", "to_chat_messages"]
+
+logger = logging.getLogger(__name__)
 
 TOOL_KWARGS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "strict")
 """Per-call keyword arguments of tool calling and structured output (set by `bind_tools` / `with_structured_output`)."""
@@ -97,6 +100,12 @@ def to_chat_messages(messages: Sequence[BaseMessage], fmt: ToolFormat = GENERIC)
     """LangChain messages as `[{"role", "content"}]` for the model's chat template: an AIMessage's tool calls and
     a ToolMessage's result in the tool format `fmt` (`ToolFormat.of(tokenizer)`: the template's own `tool_calls`
     and `tool` messages, or the generic format's text), results verbatim."""
+    return fmt.chat_messages(_shaped(messages))
+
+
+def _shaped(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages in OpenAI's shape (an AIMessage's `tool_calls: [{"id", "name", "arguments"}]`, a
+    ToolMessage as `{"role": "tool", "content", "tool_call_id"}`), before a tool format renders them."""
     out: list[dict[str, Any]] = []
     for message in messages:
         if isinstance(message, ToolMessage):
@@ -113,7 +122,7 @@ def to_chat_messages(messages: Sequence[BaseMessage], fmt: ToolFormat = GENERIC)
         if isinstance(message, AIMessage) and message.tool_calls:
             out[-1]["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c["args"]}
                                      for c in message.tool_calls]
-    return fmt.chat_messages(out)
+    return out
 
 
 def _check_complete(message: BaseMessage) -> BaseMessage:
@@ -123,6 +132,16 @@ def _check_complete(message: BaseMessage) -> BaseMessage:
             "the structured answer was cut at max_tokens before it was complete; raise max_tokens",
             llm_output=str(message.content))
     return message
+
+
+def _calls_repr(calls: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Calls as `{"name", "args"}` (for a log line and `response_metadata["repeated_call"]`)."""
+    return [{"name": c["name"], "args": c["args"]} for c in calls]
+
+
+def _log_repeat(calls: Sequence[dict[str, Any]]) -> None:
+    logger.info("tool_choice 'auto': the answer repeats calls whose results the conversation holds (%s); answering "
+                "again with tool_choice 'none'", _calls_repr(calls))
 
 
 def _tool_call(call: generic_tools.ToolCall) -> dict[str, Any]:
@@ -210,25 +229,33 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
             settings["grammar"] = generic_tools.response_grammar(kwargs["response_format"])
         return settings
 
-    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-                 ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]], ToolFormat]:
-        """(chat messages, engine settings, bound functions, the tool format) of one call: with tools, they are
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
+                 answer: bool = False
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any], generic_tools.ToolTurn, ToolFormat]:
+        """(chat messages, engine settings, the tool turn, the tool format) of one call: with tools, they are
         listed (by the chat template in its own format, else in the generic format's system text) and the grammar
-        forces a call or a plain answer as `tool_choice` says."""
+        forces a call or a plain answer as `tool_choice` says. `answer`: the plain answer after an "auto" answer
+        that only repeated answered calls (`cacheblend_rag.tools.answer_turn`)."""
         settings = self._settings(stop, kwargs)
         fmt = ToolFormat.of(self.get_engine().tokenizer)
-        chat = to_chat_messages(messages, fmt)
+        shaped = _shaped(messages)
+        chat = fmt.chat_messages(shaped)
         schema = ((kwargs.get("response_format") or {}).get("json_schema") or {}).get("schema")
         if schema is not None:
             chat = generic_tools.with_system_text(chat, generic_tools.schema_prompt(schema))
         # bind_tools(..., parallel_tool_calls=True) lets an answer hold several calls
-        turn = generic_tools.tool_turn(chat, kwargs.get("tools") or [], kwargs.get("tool_choice"),
-                                       bool(kwargs.get("parallel_tool_calls")), fmt)
+        if answer:
+            turn = generic_tools.answer_turn(shaped, kwargs.get("tools") or [], bool(kwargs.get("parallel_tool_calls")),
+                                             fmt)
+        else:
+            turn = generic_tools.tool_turn(chat, kwargs.get("tools") or [], kwargs.get("tool_choice"),
+                                           bool(kwargs.get("parallel_tool_calls")), fmt,
+                                           generic_tools.answered_calls(shaped))
         if turn.grammar is not None:
             settings["grammar"] = turn.grammar
         if turn.tools is not None:
             settings["tools"] = turn.tools
-        return turn.messages, settings, turn.functions, fmt
+        return turn.messages, settings, turn, fmt
 
     def _metadata(self, engine: CacheBlendEngine, stats: dict) -> dict[str, Any]:
         meta = {"model_name": engine.model_name, "model_provider": "cacheblend", "cacheblend": stats_summary(stats)}
@@ -266,8 +293,14 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
+        return self._generate_turn(messages, stop, run_manager, kwargs)
+
+    def _generate_turn(self, messages: list[BaseMessage], stop: list[str] | None,
+                       run_manager: CallbackManagerForLLMRun | None, kwargs: dict[str, Any], answer: bool = False
+                       ) -> ChatResult:
         engine = self.get_engine()
-        chat, settings, functions, fmt = self._request(messages, stop, kwargs)
+        chat, settings, turn, fmt = self._request(messages, stop, kwargs, answer)
+        functions = turn.functions
         if self.streaming or self.timeout is not None:  # the stream path is the one that can stop at a deadline
             stats: dict = {}
             text = ""
@@ -282,6 +315,12 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
                      "grammar_satisfied": out.grammar_satisfied}
             message = self._message(out.text, stats, engine, functions, fmt)
         learn_retrieved(self, run_manager, "\n".join(m["content"] for m in chat))
+        if turn.repeats([generic_tools.ToolCall(c["name"], c["args"]) for c in message.tool_calls]):
+            # the same call again after its result: an agent would loop on it; answer from the result instead
+            _log_repeat(message.tool_calls)
+            result = self._generate_turn(messages, stop, run_manager, kwargs, answer=True)
+            result.generations[0].message.response_metadata["repeated_call"] = _calls_repr(message.tool_calls)
+            return result
         return ChatResult(generations=[ChatGeneration(message=message)], llm_output={"model_name": engine.model_name})
 
     def _stream(
@@ -291,20 +330,32 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
+        return self._stream_turn(messages, stop, run_manager, kwargs)
+
+    def _stream_turn(self, messages: list[BaseMessage], stop: list[str] | None,
+                     run_manager: CallbackManagerForLLMRun | None, kwargs: dict[str, Any], answer: bool = False
+                     ) -> Iterator[ChatGenerationChunk]:
         engine = self.get_engine()
-        chat, settings, functions, fmt = self._request(messages, stop, kwargs)
+        chat, settings, turn, fmt = self._request(messages, stop, kwargs, answer)
+        functions = turn.functions
         stats: dict = {}
         held = ""  # with tools: text that may still become a call is held back until the answer ends
+        sent = False
         for piece in self._pieces(engine, chat, settings, stats):
             if functions and generic_tools.may_be_call(held + piece, fmt):
                 held += piece
                 continue
-            piece, held = held + piece, ""
+            piece, held, sent = held + piece, "", True
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
             if run_manager:
                 run_manager.on_llm_new_token(piece, chunk=chunk)
             yield chunk
         content, calls = generic_tools.parse_tool_calls(held, functions, fmt) if held else ("", [])
+        if not sent and turn.repeats(calls):  # the same call again after its result (see _generate)
+            learn_retrieved(self, run_manager, "\n".join(m["content"] for m in chat))
+            _log_repeat([{"name": c.name, "args": c.arguments} for c in calls])
+            yield from self._stream_turn(messages, stop, run_manager, kwargs, answer=True)
+            return
         chunks = [{"name": c.name, "args": json.dumps(c.arguments), "id": c.id, "index": i, "type": "tool_call_chunk"}
                   for i, c in enumerate(calls)]
         if content or chunks:

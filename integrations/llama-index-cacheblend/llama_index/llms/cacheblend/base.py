@@ -192,6 +192,13 @@ def to_chat_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC)
     tool calls (`additional_kwargs["tool_calls"]`) and a tool message's result in the tool format `fmt`
     (`ToolFormat.of(tokenizer)`: the template's own `tool_calls` and `tool` messages, or the generic format's
     text), results verbatim, so stored chunks inside a tool's output are found."""
+    return fmt.chat_messages(_shaped(messages))
+
+
+def _shaped(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """LlamaIndex chat messages in OpenAI's shape (an assistant message's `tool_calls: [{"id", "name",
+    "arguments"}]`, a tool message as `{"role": "tool", "content", "tool_call_id"}`), before a tool format renders
+    them."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.role == MessageRole.TOOL:
@@ -206,7 +213,12 @@ def to_chat_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC)
         calls = m.additional_kwargs.get("tool_calls")
         if calls:
             out[-1]["tool_calls"] = [{"id": c.get("id"), "name": c["name"], "arguments": c["arguments"]} for c in calls]
-    return fmt.chat_messages(out)
+    return out
+
+
+def _log_repeat(calls: Sequence[generic_tools.ToolCall]) -> None:
+    logger.info("tool_choice 'auto': the answer repeats calls whose results the conversation holds (%s); answering "
+                "again as plain text from the results", [(c.name, c.arguments) for c in calls])
 
 
 def _call_kwargs(call: generic_tools.ToolCall) -> dict[str, Any]:
@@ -428,29 +440,46 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
 
         return gen()
 
-    def _tool_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
-                      ) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]], ToolFormat]:
-        """(chat messages, call kwargs, bound functions, the tool format): with `tools`, they are listed (by the
+    def _tool_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], answer: bool = False
+                      ) -> tuple[list[dict[str, Any]], dict[str, Any], generic_tools.ToolTurn, ToolFormat]:
+        """(chat messages, call kwargs, the tool turn, the tool format): with `tools`, they are listed (by the
         chat template in its own format, else in the generic format's system text) and the grammar forces a call
-        or a plain answer as `tool_choice` says (`parallel_tool_calls`: one or more calls)."""
+        or a plain answer as `tool_choice` says (`parallel_tool_calls`: one or more calls). `answer`: the plain
+        answer after an "auto" answer that only repeated answered calls (`cacheblend_rag.tools.answer_turn`)."""
         kwargs = dict(kwargs)
         tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
         parallel = bool(kwargs.pop("parallel_tool_calls", False))
         fmt = ToolFormat.of(self.engine.tokenizer)
-        turn = generic_tools.tool_turn(to_chat_messages(messages, fmt), tools or [], choice, parallel, fmt)
+        shaped = _shaped(messages)
+        if answer:
+            turn = generic_tools.answer_turn(shaped, tools or [], parallel, fmt)
+        else:
+            turn = generic_tools.tool_turn(fmt.chat_messages(shaped), tools or [], choice, parallel, fmt,
+                                           generic_tools.answered_calls(shaped))
         if turn.grammar is not None:
             kwargs["grammar"] = turn.grammar
         if turn.tools is not None:
             kwargs["tools"] = turn.tools
-        return turn.messages, kwargs, turn.functions, fmt
+        return turn.messages, kwargs, turn, fmt
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer chat messages with the model's chat template (stored chunks in them reuse their KV); with
-        `tools=` (OpenAI tool dicts), a call to one of them lands in `message.additional_kwargs["tool_calls"]`."""
-        chat, kwargs, functions, fmt = self._tool_request(messages, kwargs)
-        out, info = self._generate(chat, kwargs)
+        `tools=` (OpenAI tool dicts), a call to one of them lands in `message.additional_kwargs["tool_calls"]`.
+        Under "auto", an answer that only repeats calls whose results the messages hold is answered again as
+        plain text from those results (`cacheblend_rag.tools.ToolTurn.repeats`)."""
+        return self._chat(messages, kwargs)
+
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], answer: bool = False) -> ChatResponse:
+        chat, call_kwargs, turn, fmt = self._tool_request(messages, kwargs, answer)
+        functions = turn.functions
+        out, info = self._generate(chat, call_kwargs)
         content, calls = generic_tools.parse_tool_calls(out.text, functions, fmt) if functions else (out.text, [])
+        if turn.repeats(calls):
+            _log_repeat(calls)
+            response = self._chat(messages, kwargs, answer=True)
+            response.additional_kwargs["repeated_call"] = [_call_kwargs(c) for c in calls]
+            return response
         extra = {"tool_calls": [_call_kwargs(c) for c in calls]} if calls else {}
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=content.strip() if calls
                                                 else content, additional_kwargs=extra), additional_kwargs=info)
@@ -459,8 +488,13 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Stream a chat answer: each response has the new `delta` and the cumulative message; with `tools=`,
         text that may become a call is held back and the last response carries the call."""
-        chat, kwargs, functions, fmt = self._tool_request(messages, kwargs)
-        pieces, info = self._stream(chat, kwargs)
+        return self._stream_chat(messages, kwargs)
+
+    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any], answer: bool = False
+                     ) -> ChatResponseGen:
+        chat, call_kwargs, turn, fmt = self._tool_request(messages, kwargs, answer)
+        functions = turn.functions
+        pieces, info = self._stream(chat, call_kwargs)
 
         def gen() -> ChatResponseGen:
             text, held = "", ""
@@ -474,6 +508,10 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
                                    additional_kwargs=info)
             if held:
                 content, calls = generic_tools.parse_tool_calls(held, functions, fmt)
+                if not text and turn.repeats(calls):  # the same call again after its result (see `chat`)
+                    _log_repeat(calls)
+                    yield from self._stream_chat(messages, kwargs, answer=True)
+                    return
                 extra = {"tool_calls": [_call_kwargs(c) for c in calls]} if calls else {}
                 content = content.strip() if calls else content
                 yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text + content,
