@@ -197,6 +197,8 @@ STUDIES: dict[str, tuple[str, object]] = {
     "frames": ("fidelity per entry point: first-token KL vs the model's own forward of each frame's prompt", _nothing),
     "faq": ("answer accuracy on a generated FAQ set (one fact per question) in the chat and string frames",
             _faq_study),
+    "tools": ("tool choice left to the model (auto): the right tool on 6 prompts that need one, none on 3 that "
+              "don't; seconds per call", _nothing),
     "conversation": ("4-turn chats: per turn TTFT with stored prefixes, without them, full prefill (and peers)",
                      _conversation_study),
     "agent": ("a retrieval agent per question: per step TTFT, chunk hits in tool results, constrained vs free "
@@ -270,6 +272,8 @@ def execute(args: argparse.Namespace) -> dict:
     """Run the study the parsed args name; prints the tables, writes the outputs; returns the result."""
     if args.study == "faq":
         return _faq(args)
+    if args.study == "tools":
+        return _tools(args)
     run = {"methods": _benchmark, "sweep": _benchmark, "breakdown": _breakdown, "decode": _decode,
            "serve-load": _serve_load, "loading": _loading, "trace": _trace, "faults": _shared_tier,
            "shared-tier": _shared_tier, "frames": _frames, "conversation": _conversation, "agent": _agent}
@@ -427,6 +431,18 @@ def _faq(args: argparse.Namespace) -> dict:
                      max_new_tokens=args.max_new_tokens, show_progress=not args.quiet)
     header = f"{args.limit or 40} FAQ questions, k = {args.k}, {_dtype(engine)}; {machine()}"
     _print_and_write(args, "faq", header, format_faq(result["summary"]), result)
+    return result
+
+
+def _tools(args: argparse.Namespace) -> dict:
+    """`tools`: tool choice left to the model; prints and writes tools.md."""
+    from .report import machine
+    from .tool_choice import format_tool_choice, run_tool_choice
+
+    engine = _engine(args, kv_store=None)
+    result = run_tool_choice(engine, max_new_tokens=args.max_new_tokens)
+    header = f"tool_choice auto, {args.model}, {_dtype(engine)}, max_new_tokens {args.max_new_tokens}; {machine()}"
+    _print_and_write(args, "tools", header, format_tool_choice(result), result)
     return result
 
 
