@@ -152,6 +152,9 @@ def _faults_study(p: argparse.ArgumentParser) -> None:
 
 def _faq_study(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=6, help="chunks per question (default 6)")
+    p.add_argument("--behind", choices=("lead_in", "neighbor"), default="lead_in",
+                   help="what each page's stored KV is computed behind: the lead-in (default) or its nearest "
+                   "neighbour page (`ingest(behind=\"neighbor\")`)")
 
 
 def _conversation_study(p: argparse.ArgumentParser) -> None:
@@ -424,8 +427,9 @@ def _faq(args: argparse.Namespace) -> dict:
 
     engine = _engine(args, kv_store=args.kv_store)
     result = run_faq(engine, num_questions=args.limit or 40, k=args.k, seed=args.seed,
-                     max_new_tokens=args.max_new_tokens, show_progress=not args.quiet)
-    header = f"{args.limit or 40} FAQ questions, k = {args.k}, {_dtype(engine)}; {machine()}"
+                     max_new_tokens=args.max_new_tokens, show_progress=not args.quiet, behind=args.behind)
+    header = (f"{args.limit or 40} FAQ questions, k = {args.k}, pages computed behind the {args.behind}, "
+              f"{args.model}, {_dtype(engine)}; {machine()}")
     _print_and_write(args, "faq", header, format_faq(result["summary"]), result)
     return result
 

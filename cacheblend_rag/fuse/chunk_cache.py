@@ -294,14 +294,20 @@ class ChunkCache:
         return rows
 
     def compute_and_store(self, chunk: Chunk, lead_in_ids: Sequence[int] | None = None, *,
-                          best_effort: bool = False) -> LayerReader:
+                          behind: Sequence[int] = (), best_effort: bool = False) -> LayerReader:
         """Compute the chunk's KV behind a lead-in (default: this cache's) and store it.
 
-        A store that cannot keep it raises KVWriteError, unless `best_effort` (a request's path), where the
-        failure is logged once and the computed KV still serves the request.
+        `behind`: tokens computed between the lead-in and the chunk but not stored (a look-alike neighbour, so the
+        chunk's KV is not that of a first document); the KV is still stored under the lead-in's key. A store that
+        cannot keep it raises KVWriteError, unless `best_effort` (a request's path), where the failure is logged
+        once and the computed KV still serves the request.
         """
         lead_ids = self.lead_in_ids if lead_in_ids is None else list(lead_in_ids)
-        lead = self.exact_segment(lead_ids) if lead_ids else None
+        if behind:  # computed for this chunk alone, not stored: each chunk has its own neighbour
+            ids = torch.tensor([*lead_ids, *behind], dtype=torch.long)
+            lead = ResidentReader(self.compute(ids, None), self._segment_key(ids), "computed")
+        else:
+            lead = self.exact_segment(lead_ids) if lead_ids else None
         try:
             kv = self.compute(chunk.whole.token_ids, lead)  # a part: the whole chunk is what is stored
         finally:
