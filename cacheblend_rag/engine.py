@@ -244,9 +244,11 @@ class CacheBlendEngine:
         chunks = [self._fitting(self.chunks.add(make_chunk(t, self.tokenizer))) for t in texts]
         before = self._neighbor_ids(chunks, embed) if behind == "neighbor" else {}
         with self._lock:
+            for cid, ids in before.items():
+                self.cache.set_neighbor(cid, ids)
             for chunk in tqdm(chunks, desc="precompute chunk KV", unit="chunk", disable=not show_progress):
                 if not self.cache.has_kv(chunk.chunk_id):
-                    self.cache.compute_and_store(chunk, behind=before.get(chunk.chunk_id, ()))
+                    self.cache.compute_and_store(chunk, behind=self.cache.neighbor(chunk.chunk_id))
                 self.index.add([(chunk.chunk_id, chunk.text)])
         ids = [c.chunk_id for c in chunks]
         if variants is not None:

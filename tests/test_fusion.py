@@ -426,6 +426,8 @@ def test_chunks_computed_behind_a_neighbour_keep_the_invariants(tiny):
     gap = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
     lead = near.cache.lead_in_ids + near.chunks.get(chunk_id(TEXTS[1])).token_ids.tolist() + gap
     chunk = near.chunks.get(chunk_id(TEXTS[0]))
+    # remembered, so the chunk learned again behind a prompt's own opening is computed behind its neighbour too
+    assert list(near.cache.neighbor(chunk.chunk_id)) == lead[len(near.cache.lead_in_ids):]
     expected = near.cache.compute(chunk.token_ids, near.cache.exact_segment(lead))
     stored = near.cache.reader(chunk)
     for layer in range(model.config.num_hidden_layers):

@@ -82,12 +82,13 @@ def _reference_logits(engine, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def run_frames(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens: int = 16,
-               frames: tuple[str, ...] = FRAMES, show_progress: bool = True) -> dict:
-    """Every frame × method on every question: records and a per-frame summary."""
+               frames: tuple[str, ...] = FRAMES, show_progress: bool = True, behind: str = "lead_in") -> dict:
+    """Every frame × method on every question: records and a per-frame summary (each question's passages
+    ingested together, computed behind `behind`)."""
     records = []
     for item in tqdm(items, desc="frames", unit="question", disable=not show_progress):
         passages = passages_of(item, num_chunks)
-        ids = engine.ingest(passages, show_progress=False)
+        ids = engine.ingest(passages, show_progress=False, behind=behind)
         prompts = frame_prompts(passages, item["question"])
         for frame in frames:
             prompt = prompts[frame]
