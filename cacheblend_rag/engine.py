@@ -47,6 +47,8 @@ from .request import Prompt, Request
 from .store import KVStore, MemoryStore, open_store
 from .store.codecs import CODECS
 
+BEHIND = ("lead_in", "neighbor")  # what a chunk's stored KV is computed behind (`CacheBlendEngine.ingest`)
+
 logger = logging.getLogger(__name__)
 
 LEAD_INS = ("prefix", "bos", "none")
@@ -222,27 +224,52 @@ class CacheBlendEngine:
     # ---- chunks -------------------------------------------------------------------------
 
     def ingest(self, texts: str | Iterable[str], *, show_progress: bool = True, variants: str | None = None,
-               neighbors: int = 2, embed: Embed | None = None) -> list[str]:
+               neighbors: int = 2, embed: Embed | None = None, behind: str = "lead_in") -> list[str]:
         """Precompute and store the KV of each chunk (skipping stored ones); returns their chunk ids.
 
         A single string is one chunk. A chunk that cannot fit the context window behind the lead-in is refused
         (split it first); a store that cannot keep the KV raises KVWriteError. `variants="neighbors"` also stores
         each chunk computed after its `neighbors` most similar chunks of this call (`ingest_variants`).
+        `behind="neighbor"` computes each chunk's KV behind its most similar other chunk of this call (between the
+        lead-in and the chunk, not stored), so that it is not the KV of a first document: look-alike documents keep
+        their answers under reuse (docs/benchmarks.md, "Right answers among look-alike documents"); ingest costs
+        about twice the compute, a request nothing more.
         """
         if variants is not None and variants not in VARIANT_KINDS:
             raise ConfigError(f"variants must be one of {VARIANT_KINDS} or None, got {variants!r}")
+        if behind not in BEHIND:
+            raise ConfigError(f"behind must be one of {BEHIND}, got {behind!r}")
         if isinstance(texts, str):
             texts = [texts]
         chunks = [self._fitting(self.chunks.add(make_chunk(t, self.tokenizer))) for t in texts]
+        before = self._neighbor_ids(chunks, embed) if behind == "neighbor" else {}
         with self._lock:
+            for cid, ids in before.items():
+                self.cache.set_neighbor(cid, ids)
             for chunk in tqdm(chunks, desc="precompute chunk KV", unit="chunk", disable=not show_progress):
                 if not self.cache.has_kv(chunk.chunk_id):
-                    self.cache.compute_and_store(chunk)
+                    self.cache.compute_and_store(chunk, behind=self.cache.neighbor(chunk.chunk_id))
                 self.index.add([(chunk.chunk_id, chunk.text)])
         ids = [c.chunk_id for c in chunks]
         if variants is not None:
             self.ingest_variants(ids, k=neighbors, embed=embed, show_progress=show_progress)
         return ids
+
+    def _neighbor_ids(self, chunks: list[Chunk], embed: Embed | None) -> dict[str, list[int]]:
+        """Per chunk id: the token ids of its most similar other chunk (by embedding), then a blank line; only
+        where both fit the window behind the lead-in."""
+        distinct = list({c.chunk_id: c for c in chunks}.values())
+        if len(distinct) < 2:
+            return {}
+        vectors = torch.as_tensor((embed or default_embed)([c.text for c in distinct]), dtype=torch.float32)
+        gap = self.tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+        room = self.context_window - len(self.cache.lead_in_ids)
+        out = {}
+        for chunk, (j,) in zip(distinct, nearest_neighbors(vectors, 1)):
+            ids = [*distinct[j].token_ids.tolist(), *gap]
+            if len(ids) + chunk.num_tokens <= room:
+                out[chunk.chunk_id] = ids
+        return out
 
     def learn(self, texts: Iterable[str]) -> int:
         """Queue passages a prompt carried (e.g. what a retriever returned) for ingest on a background thread,

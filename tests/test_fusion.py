@@ -405,3 +405,42 @@ def test_chunks_longer_than_the_sliding_window_are_reused_exactly_as_computed(to
     hf.ingest(TEXTS, show_progress=False)
     ours = engine.generate(TEXTS, QUESTION, recompute_ratio=0.3, max_new_tokens=16)
     assert ours.token_ids == hf.generate(TEXTS, QUESTION, recompute_ratio=0.3, max_new_tokens=16).token_ids
+
+
+def test_chunks_computed_behind_a_neighbour_keep_the_invariants(tiny):
+    """`ingest(behind="neighbor")`: each chunk's stored KV is its KV behind the lead-in and its most similar other
+    chunk (computed, not stored), under its own key; ratio 1 is still full prefill, ratio 0 full reuse of it."""
+    from cacheblend_rag import chunk_id
+    from cacheblend_rag.ingest.neighbors import nearest_neighbors
+
+    _, model, tokenizer = tiny
+
+    def embed(texts: list[str]) -> list[list[float]]:  # a fixed similarity: 0 and 1 are neighbours, 2 and 3
+        return [[1.0, 0.1 * i, 0.0] if i < 2 else [0.0, 0.1 * i, 1.0] for i in range(len(texts))]
+
+    plain, near = CacheBlendEngine(model, tokenizer), CacheBlendEngine(model, tokenizer)
+    plain.ingest(TEXTS, show_progress=False)
+    near.ingest(TEXTS, show_progress=False, behind="neighbor", embed=embed)
+    (j,) = nearest_neighbors(torch.tensor(embed(TEXTS)), 1)[0]
+    assert j == 1
+    gap = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    lead = near.cache.lead_in_ids + near.chunks.get(chunk_id(TEXTS[1])).token_ids.tolist() + gap
+    chunk = near.chunks.get(chunk_id(TEXTS[0]))
+    # remembered, so the chunk learned again behind a prompt's own opening is computed behind its neighbour too
+    assert list(near.cache.neighbor(chunk.chunk_id)) == lead[len(near.cache.lead_in_ids):]
+    expected = near.cache.compute(chunk.token_ids, near.cache.exact_segment(lead))
+    stored = near.cache.reader(chunk)
+    for layer in range(model.config.num_hidden_layers):
+        keys, values = stored.layer(layer)
+        torch.testing.assert_close(keys, expected.keys[layer])
+        torch.testing.assert_close(values, expected.values[layer])
+    assert not torch.allclose(stored.layer(1)[0], plain.cache.reader(chunk).layer(1)[0])  # not the lead-in's KV
+
+    full = near.prefill(TEXTS, QUESTION, method="full_prefill")
+    reuse = near.prefill(TEXTS, QUESTION, method="full_reuse")
+    assert _max_diff(full, plain.prefill(TEXTS, QUESTION, method="full_prefill")) == 0.0
+    assert _max_diff(near.prefill(TEXTS, QUESTION, recompute_ratio=1.0), full) <= 1e-4
+    assert _max_diff(near.prefill(TEXTS, QUESTION, recompute_ratio=0.0), reuse) == 0.0
+    assert _max_diff(reuse, plain.prefill(TEXTS, QUESTION, method="full_reuse")) > 1e-4
+    with pytest.raises(ConfigError, match="behind must be one of"):
+        near.ingest(TEXTS[:1], behind="previous")

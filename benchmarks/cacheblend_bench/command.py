@@ -150,8 +150,15 @@ def _faults_study(p: argparse.ArgumentParser) -> None:
                    help="comma-separated scenarios to run (default: all; faults.SCENARIOS)")
 
 
+def _behind(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--behind", choices=("lead_in", "neighbor"), default="lead_in",
+                   help="what each chunk's stored KV is computed behind: the lead-in (default) or its nearest "
+                   "neighbour among the chunks ingested with it (`ingest(behind=\"neighbor\")`)")
+
+
 def _faq_study(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=6, help="chunks per question (default 6)")
+    _behind(p)
 
 
 def _conversation_study(p: argparse.ArgumentParser) -> None:
@@ -194,7 +201,7 @@ STUDIES: dict[str, tuple[str, object]] = {
                "full, stored bytes are flipped", _faults_study),
     "shared-tier": ("a replica's TTFT on a Redis hit vs a memory hit; per codec behind a paced 1 Gbit/s link",
                     _ratio_study),
-    "frames": ("fidelity per entry point: first-token KL vs the model's own forward of each frame's prompt", _nothing),
+    "frames": ("fidelity per entry point: first-token KL vs the model's own forward of each frame's prompt", _behind),
     "faq": ("answer accuracy on a generated FAQ set (one fact per question) in the chat and string frames",
             _faq_study),
     "tools": ("tool choice left to the model (auto): the right tool on 6 prompts that need one, none on 3 that "
@@ -347,10 +354,11 @@ def _frames(args: argparse.Namespace, dataset: Path) -> dict:
 
     items, engine = _questions_and_engine(args, dataset)
     result = run_frames(engine, items, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
-                        show_progress=not args.quiet)
+                        show_progress=not args.quiet, behind=args.behind)
     result["meta"] = {"questions": len(items), "chunks": args.chunks, "model": args.model, "dtype": _dtype(engine),
-                      "machine": machine()}
-    header = f"{len(items)} questions × {args.chunks} passages, {_dtype(engine)}; {machine()}"
+                      "behind": args.behind, "machine": machine()}
+    header = (f"{len(items)} questions × {args.chunks} passages, computed behind the {args.behind}, {args.model}, "
+              f"{_dtype(engine)}; {machine()}")
     _print_and_write(args, "frames", header, format_frames(result["summary"]), result)
     return result
 
@@ -428,8 +436,9 @@ def _faq(args: argparse.Namespace) -> dict:
 
     engine = _engine(args, kv_store=args.kv_store)
     result = run_faq(engine, num_questions=args.limit or 40, k=args.k, seed=args.seed,
-                     max_new_tokens=args.max_new_tokens, show_progress=not args.quiet)
-    header = f"{args.limit or 40} FAQ questions, k = {args.k}, {_dtype(engine)}; {machine()}"
+                     max_new_tokens=args.max_new_tokens, show_progress=not args.quiet, behind=args.behind)
+    header = (f"{args.limit or 40} FAQ questions, k = {args.k}, pages computed behind the {args.behind}, "
+              f"{args.model}, {_dtype(engine)}; {machine()}")
     _print_and_write(args, "faq", header, format_faq(result["summary"]), result)
     return result
 

@@ -82,12 +82,13 @@ def _reference_logits(engine, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def run_frames(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens: int = 16,
-               frames: tuple[str, ...] = FRAMES, show_progress: bool = True) -> dict:
-    """Every frame × method on every question: records and a per-frame summary."""
+               frames: tuple[str, ...] = FRAMES, show_progress: bool = True, behind: str = "lead_in") -> dict:
+    """Every frame × method on every question: records and a per-frame summary (each question's passages
+    ingested together, computed behind `behind`)."""
     records = []
     for item in tqdm(items, desc="frames", unit="question", disable=not show_progress):
         passages = passages_of(item, num_chunks)
-        ids = engine.ingest(passages, show_progress=False)
+        ids = engine.ingest(passages, show_progress=False, behind=behind)
         prompts = frame_prompts(passages, item["question"])
         for frame in frames:
             prompt = prompts[frame]
@@ -150,11 +151,12 @@ def format_frames(summary: list[dict]) -> str:
 
 
 def run_faq(engine, *, num_questions: int = 40, k: int = 4, seed: int = 0, max_new_tokens: int = 32,
-            methods: tuple[tuple[str, float | None], ...] = FRAME_METHODS, show_progress: bool = True) -> dict:
-    """The FAQ answer-correctness set in the chat and string frames: accuracy per frame and method."""
+            methods: tuple[tuple[str, float | None], ...] = FRAME_METHODS, show_progress: bool = True,
+            behind: str = "lead_in") -> dict:
+    """The FAQ answer-correctness set in the chat and string frames: accuracy per frame and method (the pages
+    ingested as one corpus, each computed behind `behind`: the lead-in, or its nearest neighbour page)."""
     questions = faq_set(num_questions, k=k, seed=seed)
-    for q in questions:
-        engine.ingest(q.chunks, show_progress=False)
+    engine.ingest(list(dict.fromkeys(c for q in questions for c in q.chunks)), show_progress=False, behind=behind)
     records = []
     started = time.perf_counter()
     for q in tqdm(questions, desc="faq", unit="question", disable=not show_progress):
@@ -163,18 +165,21 @@ def run_faq(engine, *, num_questions: int = 40, k: int = 4, seed: int = 0, max_n
                 out = engine.generate_prompt(prompt, method, ratio, max_new_tokens=max_new_tokens)
                 records.append({"frame": frame, "method": method if ratio is None else f"{method}@{ratio:g}",
                                 "question": q.question, "expected": q.answer, "answer": out.text,
-                                "correct": correct(out.text, q.answer)})
+                                "correct": correct(out.text, q.answer), "ttft_s": out.ttft_s})
     summary = []
     for frame in ("chat", "string"):
         for method in dict.fromkeys(r["method"] for r in records):
             rs = [r for r in records if r["frame"] == frame and r["method"] == method]
             summary.append({"frame": frame, "method": method, "n": len(rs),
-                            "accuracy": statistics.fmean(r["correct"] for r in rs)})
+                            "accuracy": statistics.fmean(r["correct"] for r in rs),
+                            "ttft_s": statistics.median(r["ttft_s"] for r in rs)})
     return {"records": records, "summary": summary, "seconds": time.perf_counter() - started, "k": k}
 
 
 def format_faq(summary: list[dict]) -> str:
     """The FAQ accuracy table (markdown)."""
-    lines = ["| frame | method | n | accuracy (the answer's first line states the fact) |", "|---|---|---:|---:|"]
-    lines += [f"| {r['frame']} | {r['method']} | {r['n']} | {r['accuracy']:.2f} |" for r in summary]
+    lines = ["| frame | method | n | accuracy (the answer's first line states the fact) | TTFT (median) |",
+             "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['frame']} | {r['method']} | {r['n']} | {r['accuracy']:.2f} | {r['ttft_s']:.3f} s |"
+              for r in summary]
     return "\n".join(lines)

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX_BLOCK = 16  # tokens per block of a stored prefix (vLLM's default block size)
 _MAX_INDEXED_BLOCKS = 1 << 18  # block hashes this process remembers (≈ 40 MB); older ones are found by probing
+_MAX_NEIGHBORS = 8192  # chunks whose look-alike neighbour is remembered (as many as the engine's known chunks)
 _MAX_OPENINGS = 64  # openings other than the lead-in counted (an app has a few prompt templates; one-offs age out)
 # entries this process stored that it remembers as its own (a store evicts without telling this cache, so without
 # a bound a long-running server would keep one name per request it ever answered)
@@ -100,6 +101,8 @@ class ChunkCache:
         # Openings of prompts other than the lead-in (a plain string to a chat model, a chat with its own system
         # message), counted: one seen again gets its chunks' KV (or its first chunk's) computed behind it
         self._openings: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        # chunk id → the tokens its KV is computed behind after the lead-in or an opening (`ingest(behind=...)`)
+        self._neighbors: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     def namespace_for(self, lead_in_ids: Sequence[int]) -> str:
         """Fingerprint of model, tokenizer and lead-in: every KV it names was computed under all three."""
@@ -139,6 +142,17 @@ class ChunkCache:
         while len(self._openings) > _MAX_OPENINGS:
             self._openings.popitem(last=False)
         return seen > 1
+
+    def set_neighbor(self, chunk_id: str, token_ids: Sequence[int]) -> None:
+        """Remember what the chunk's KV is computed behind (after a lead-in or an opening) when it is learned again."""
+        self._neighbors.pop(chunk_id, None)
+        self._neighbors[chunk_id] = tuple(token_ids)
+        while len(self._neighbors) > _MAX_NEIGHBORS:
+            self._neighbors.popitem(last=False)
+
+    def neighbor(self, chunk_id: str) -> tuple[int, ...]:
+        """The tokens the chunk's KV is computed behind after its lead-in (its look-alike neighbour), or ()."""
+        return self._neighbors.get(chunk_id, ())
 
     def token_ids(self, chunk_id: str) -> torch.Tensor | None:
         """The stored chunk's token ids (no layer is read), or None."""
@@ -294,14 +308,20 @@ class ChunkCache:
         return rows
 
     def compute_and_store(self, chunk: Chunk, lead_in_ids: Sequence[int] | None = None, *,
-                          best_effort: bool = False) -> LayerReader:
+                          behind: Sequence[int] = (), best_effort: bool = False) -> LayerReader:
         """Compute the chunk's KV behind a lead-in (default: this cache's) and store it.
 
-        A store that cannot keep it raises KVWriteError, unless `best_effort` (a request's path), where the
-        failure is logged once and the computed KV still serves the request.
+        `behind`: tokens computed between the lead-in and the chunk but not stored (a look-alike neighbour, so the
+        chunk's KV is not that of a first document); the KV is still stored under the lead-in's key. A store that
+        cannot keep it raises KVWriteError, unless `best_effort` (a request's path), where the failure is logged
+        once and the computed KV still serves the request.
         """
         lead_ids = self.lead_in_ids if lead_in_ids is None else list(lead_in_ids)
-        lead = self.exact_segment(lead_ids) if lead_ids else None
+        if behind:  # computed for this chunk alone, not stored: each chunk has its own neighbour
+            ids = torch.tensor([*lead_ids, *behind], dtype=torch.long)
+            lead = ResidentReader(self.compute(ids, None), self._segment_key(ids), "computed")
+        else:
+            lead = self.exact_segment(lead_ids) if lead_ids else None
         try:
             kv = self.compute(chunk.whole.token_ids, lead)  # a part: the whole chunk is what is stored
         finally:

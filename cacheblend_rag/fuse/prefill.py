@@ -194,8 +194,8 @@ def store_pending(cache: ChunkCache, prefill: Prefill) -> None:
 def store_chunks(cache: ChunkCache, chunks: list[Chunk], lead_in_ids: Sequence[int] | None = None) -> None:
     """Compute and store the KV of chunks that were holes (or missed behind a prompt's opening), so the next
     request hits (best effort: logged)."""
-    for chunk in chunks:
-        cache.compute_and_store(chunk, lead_in_ids, best_effort=True)
+    for chunk in chunks:  # behind its look-alike neighbour too, where it was ingested so (not a first document)
+        cache.compute_and_store(chunk, lead_in_ids, behind=cache.neighbor(chunk.chunk_id), best_effort=True)
 
 
 def _run(cache: ChunkCache, policy: Policy, request: FusionRequest, auto_ratio: AutoRatio | None) -> _Run:
