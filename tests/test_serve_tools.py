@@ -344,3 +344,36 @@ def test_a_closing_tag_inside_an_argument_string_stays_in_the_argument():
     arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
     assert json.loads(arguments) == call.arguments and stream.called
     assert parse_tool_calls(text[:-len("</tool_call>")], [WEATHER["function"]])[1] == []  # unclosed: no call
+
+
+# ---- the packaged model that calls tools ---------------------------------------------------------------------
+
+QWEN = "qwen2.5-coder-0.5b"
+
+
+@real_model
+def test_qwens_auto_call_comes_back_parsed_and_its_result_is_answered(tmp_path_factory):
+    """`serve --model qwen2.5-coder-0.5b`: left to choose (auto), the model calls the weather tool in its template's
+    own format; the openai SDK gets it as `tool_calls`, whole and streamed; with the result sent back the next
+    step answers from it in text (the second step under "none": under "auto" this model writes its call again)."""
+    server = ServerProcess(_home(tmp_path_factory.mktemp("serve-qwen")), "--api-key", KEY, "--model", QWEN)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+        out = client.chat.completions.create(model=QWEN, messages=ASK, tools=[WEATHER, TIME], max_tokens=64)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and _valid_call(call)["city"] == "Paris"
+        pieces = list(client.chat.completions.create(model=QWEN, messages=ASK, tools=[WEATHER, TIME], max_tokens=64,
+                                                     stream=True))
+        streamed = [d for p in pieces for d in (p.choices[0].delta.tool_calls or [])]
+        assert streamed[0].function.name == "get_weather"
+        assert json.loads("".join(d.function.arguments or "" for d in streamed)) == json.loads(call.function.arguments)
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "Paris: sunny, 24 degrees celsius."}]
+        answer = client.chat.completions.create(model=QWEN, messages=history, tools=[WEATHER, TIME],
+                                                tool_choice="none", max_tokens=32).choices[0]
+        assert answer.message.tool_calls is None and ("24" in answer.message.content
+                                                      or "sunny" in answer.message.content.lower())
+    finally:
+        assert server.stop() == 0, server.log.read_text()

@@ -48,6 +48,12 @@ def _call_id() -> str:
 
 def render_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) -> list[dict[str, Any]]:
     """`[{"role", "content"}]` for the chat template: calls and results in the tool format `fmt`."""
+    return fmt.chat_messages(openai_messages(messages))
+
+
+def openai_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages OpenAI-shaped, before a tool format renders them (an assistant message's
+    `tool_calls: [{"id", "name", "arguments": dict}]`, `tool` results); ConfigError for arguments that are not JSON."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.role in ("tool", "function"):
@@ -64,7 +70,7 @@ def render_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) 
             calls.append({"id": call.id, "name": call.function.name, "arguments": arguments})
         if calls:
             out[-1]["tool_calls"] = calls
-    return fmt.chat_messages(out)
+    return out
 
 
 def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat = GENERIC) -> ChatPlan:
@@ -85,6 +91,12 @@ def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat = GENERIC) -> ChatPla
     functions = generic_tools.functions_of(tools)
     choice = generic_tools.normalize_choice(body.tool_choice, [f["name"] for f in functions])
     parallel = bool(body.parallel_tool_calls)  # asked for: a small model left free repeats its call
+    raw = openai_messages(body.messages)
+    if fmt.native and choice == "none" and answer is None and any(m["role"] == "tool" for m in raw):
+        # the answer from tool results, folded as the integrations fold it (tools.answer_turn): a native template
+        # that lists the tools and shows the past calls has Qwen2.5-Coder write its call again, or junk
+        turn = generic_tools.answer_turn(raw, tools, parallel, fmt)
+        return ChatPlan(turn.messages, None, turn.grammar, [], None, fmt)
     # a native format's template lists the tools itself: only the response format's line goes to the system text
     lines = [] if fmt.native else [generic_tools.tools_prompt(functions, parallel)]
     if answer is not None and choice in ("auto", "none"):
