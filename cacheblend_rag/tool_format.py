@@ -86,19 +86,22 @@ class ToolFormat:
         on a framed format, Qwen2.5-Coder among them, often write the call's JSON object alone)."""
         return (self.opener,) if self.opener == "{" else (self.opener, "{")
 
+    def _first_chars(self, *extra: str) -> str:
+        """The first characters of the call openers (and `extra`), escaped for a Lark regex character class."""
+        chars = {o[0] for o in self.openers} | set(extra)
+        return "".join(sorted("\\/" if c == "/" else re.escape(c) for c in chars))
+
     @property
     def plain_text(self) -> str:
         """A Lark regex of plain text: text that starts like no call, so it can never be a malformed one."""
-        first = "".join(sorted({"\\/" if o[0] == "/" else re.escape(o[0]) for o in self.openers}))
-        return f"/[^{first}][\\s\\S]*/"
+        return f"/[^{self._first_chars()}][\\s\\S]*/"
 
     @property
     def answer_text(self) -> str:
         """A Lark regex of the answer under tool_choice "none": text whose first character past any whitespace
         starts no call in any form the parser takes (framed, bare JSON, a ```json block: no backtick either).
         Asked for no call, Qwen2.5-Coder-0.5B writes its call as a ```json block or after a space instead."""
-        first = "".join(sorted({"\\/" if o[0] == "/" else re.escape(o[0]) for o in self.openers} | {"`"}))
-        return f"/\\s*[^\\s{first}][\\s\\S]*/"
+        return f"/\\s*[^\\s{self._first_chars('`')}][\\s\\S]*/"
 
     def calls_rule(self, call_json: str, parallel: bool, bare: bool = True) -> str:
         """The Lark rules `calls` (one call, or with `parallel` and a template that allows it, one or more) around

@@ -265,9 +265,7 @@ def answer_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, An
     for m in messages:
         if m["role"] == "tool":
             folded.append(result_message(m["content"]))
-        elif not m.get("tool_calls"):
-            folded.append({"role": m["role"], "content": m["content"]})
-        elif m["content"]:
+        elif m["content"] or not m.get("tool_calls"):  # a call-only assistant turn is left out
             folded.append({"role": m["role"], "content": m["content"]})
     return ToolTurn(folded, Grammar.lark(f"start: {fmt.answer_text}\n"), choice="none")
 

@@ -46,11 +46,6 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def render_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) -> list[dict[str, Any]]:
-    """`[{"role", "content"}]` for the chat template: calls and results in the tool format `fmt`."""
-    return fmt.chat_messages(openai_messages(messages))
-
-
 def openai_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """The request's messages OpenAI-shaped, before a tool format renders them (an assistant message's
     `tool_calls: [{"id", "name", "arguments": dict}]`, `tool` results); ConfigError for arguments that are not JSON."""
@@ -76,7 +71,8 @@ def openai_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat = GENERIC) -> ChatPlan:
     """The plan of one chat request in the tool format `fmt` (`ToolFormat.of(tokenizer)` where the chat template
     renders the whole chat); ConfigError (a 400) for an unknown tool_choice, a bad schema, ..."""
-    messages = render_messages(body.messages, fmt)
+    raw = openai_messages(body.messages)
+    messages = fmt.chat_messages(raw)
     answer = generic_tools.response_schema(body.response_format.as_dict() if body.response_format else None)
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     if not tools:
@@ -91,7 +87,6 @@ def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat = GENERIC) -> ChatPla
     functions = generic_tools.functions_of(tools)
     choice = generic_tools.normalize_choice(body.tool_choice, [f["name"] for f in functions])
     parallel = bool(body.parallel_tool_calls)  # asked for: a small model left free repeats its call
-    raw = openai_messages(body.messages)
     if fmt.native and choice == "none" and answer is None and any(m["role"] == "tool" for m in raw):
         # the answer from tool results, folded as the integrations fold it (tools.answer_turn): a native template
         # that lists the tools and shows the past calls has Qwen2.5-Coder write its call again, or junk
