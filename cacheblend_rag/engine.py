@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .decode.generate import SamplingOptions, cut_at_stop, decode
+from .decode.grammar import GrammarCompiler
 from .decode.kv_decode import KVDecoder, KVSequence, kv_decode
 from .decode.stream import stream_decode
 from .errors import ChunkError, ConfigError, PromptTooLongError
@@ -207,6 +208,18 @@ class CacheBlendEngine:
     def has_chat_template(self) -> bool:
         """Whether the model has a chat template (an instruct model: plain completions are wrapped in it)."""
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler of this engine's decoder: a grammar compiled through it (a server's admission
+        check) is not compiled again when the request decodes."""
+        return self._kv_decoder.grammars
+
+    def count_prompt_tokens(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> int:
+        """Tokens of a whole prompt (a string, or chat messages rendered with the chat template, listing `tools`),
+        as the prefill will tokenize it."""
+        text, add_special_tokens = self._prompt_text(prompt, tools)
+        return len(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     @property
     def context_window(self) -> int:
@@ -550,7 +563,7 @@ class CacheBlendEngine:
         """(finish_reason, grammar_satisfied) of a decoded answer, from its tokens alone (both decoders)."""
         satisfied = complete = None
         if sampling.grammar is not None:
-            satisfied, complete = self._kv_decoder.grammars.check(sampling.grammar, new_ids)
+            satisfied, complete = self.grammars.check(sampling.grammar, new_ids)
         _, cut = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
         ended = bool(new_ids) and new_ids[-1] == self.tokenizer.eos_token_id
         if cut or ended or complete or len(new_ids) < sampling.max_new_tokens:  # shorter: cancelled, not cut

@@ -28,6 +28,7 @@ KEY = "limits-key-9d2e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 2 * 1024**2
 MAX_DOCUMENTS = 16
+MAX_GRAMMAR_BYTES = 24 * 1024
 CONTEXT = 16384
 BUSY_TOKENS = CONTEXT - 512  # a request that keeps the engine busy until its stream is closed
 
@@ -52,7 +53,7 @@ def server(home, tiny_folder):
     # one request decodes at a time and two may wait, so the queue can be filled and watched
     srv = ServerProcess(home, "--model", str(tiny_folder), "--api-key", KEY, "--max-batch", "1", "--max-queue", "2",
                         "--max-body-bytes", str(MAX_BODY), "--max-documents", str(MAX_DOCUMENTS),
-                        "--header-timeout", "2", "--timeout", "1800")
+                        "--max-grammar-bytes", str(MAX_GRAMMAR_BYTES), "--header-timeout", "2", "--timeout", "1800")
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
 
@@ -304,3 +305,58 @@ def test_tool_and_schema_input_the_server_cannot_take_is_400(server):
         r = _post(server, _chat_body(**extra))
         assert r.status_code == 200, r.text
     assert "Traceback" not in server.log.read_text()
+
+
+# ---- 1 of issue 38 (open part): a grammar is counted before it compiles, compiled once, within limits ------------
+
+
+def _compilations(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "cacheblend_grammar_compilations_total")
+
+
+def _wide_schema(num_properties: int, name: str = "property") -> dict:
+    return {"type": "object", "properties": {f"{name}_{i}": {"type": "string"} for i in range(num_properties)}}
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_schema_too_long_for_the_context_is_refused_before_it_compiles_or_queues(server, client):
+    busy = Busy(client)
+    waiting: list = []
+    threads = [threading.Thread(target=lambda: waiting.append(_post(server, _chat_body(), timeout=600)))
+               for _ in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        server.wait_for(lambda h: h["queue_depth"] == 2, "the queue full")
+        compiled = _compilations(server)
+        # 110 KB of schema, ~41k tokens of instructions: fits the character bound, not the 16k context. Before:
+        # compiled (twice) while the queue was full, then answered 429 (or, queued, refused by the worker)
+        bomb = _post(server, _chat_body(response_format=_schema_format(_wide_schema(3_000))))
+        assert bomb.status_code == 400 and _error(bomb)["code"] == "context_length_exceeded", bomb.text
+        assert _compilations(server) == compiled  # refused from its token count: nothing compiled
+        assert server.health()["running"] == 1
+    finally:
+        busy.release()
+        for t in threads:
+            t.join(600)
+    assert [r.status_code for r in waiting] == [200, 200]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_grammar_compiles_once_and_one_over_the_size_limit_is_400(server):
+    schema = _schema_format(_wide_schema(3, name="compiled_once"))
+    compiled = _compilations(server)
+    first = _post(server, _chat_body(response_format=schema, max_tokens=8))
+    assert first.status_code == 200, first.text
+    assert _compilations(server) == compiled + 1  # before: admission, its check, and the worker (3)
+    again = _post(server, _chat_body(response_format=schema, max_tokens=8))
+    assert again.status_code == 200 and _compilations(server) == compiled + 1  # the same schema: kept compiled
+    large = _post(server, _chat_body(response_format=_schema_format(_wide_schema(800))))  # 29 KB, ~10k tokens
+    assert large.status_code == 400 and _error(large)["code"] == "grammar_too_large", large.text
+    assert _compilations(server) == compiled + 1

@@ -11,6 +11,8 @@ tokenizer conversion costs ~0.5 s once).
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,19 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 class GrammarError(ConfigError):
     """A grammar or schema llguidance cannot compile."""
+
+
+class GrammarDecodeError(GrammarError):
+    """A grammar that compiled but failed while decoding (a pattern or a recursion past llguidance's limits, an
+    unsatisfiable schema): the answer ends with this error, never with a silent, empty "stop"."""
+
+
+def first_line(message: str) -> str:
+    """The first line of an llguidance error: the rest is parser state (and the grammar), for the log only."""
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
+
+COMPILED_KEPT = 64  # compiled grammars a compiler keeps: a server's queue and batch, and an agent's repeated tools
 
 
 def _llguidance():
@@ -157,12 +172,21 @@ class StringScan:
 
 
 class GrammarCompiler:
-    """Builds `GrammarState`s for one tokenizer; converts the tokenizer for llguidance once, on first use."""
+    """Builds `GrammarState`s for one tokenizer; converts the tokenizer for llguidance once, on first use.
+
+    A grammar is compiled once (and its first mask computed, which is where some grammars fail): the compiled
+    matcher is kept (the last COMPILED_KEPT) and each sequence gets a copy, so a server that checks a request's
+    grammar at admission hands the worker a compiled one, and an agent's tools that come back every step compile
+    once. Thread-safe: admission threads and the engine's worker share it.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._ll_tokenizer = None
         self._leads: TokenLeads | None = None
+        self._compiled: OrderedDict[Grammar, Any] = OrderedDict()  # grammar → a matcher that has consumed nothing
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # grammars compiled so far (a counter for /metrics)
 
     def leads(self) -> TokenLeads:
         """`token_leads` of this tokenizer, computed once."""
@@ -180,16 +204,35 @@ class GrammarCompiler:
                 raise ConfigError(f"constrained decoding needs a fast tokenizer (tokenizer.json): {e}") from e
         return self._ll_tokenizer
 
-    def state(self, grammar: Grammar) -> GrammarState:
-        """A fresh matcher for one sequence; GrammarError if the grammar does not compile."""
+    def compile(self, grammar: Grammar):
+        """The compiled matcher of the grammar (its first mask computed), compiled now unless it is kept; GrammarError
+        if either fails. Runs on the caller's thread (llguidance drops the GIL while it builds). Copy it to use it."""
+        with self._lock:
+            kept = self._compiled.get(grammar)
+            if kept is not None:
+                self._compiled.move_to_end(grammar)
+                return kept
         llg = _llguidance()
         lltok = self.ll_tokenizer()
-        serialized = grammar.serialized()
-        error = llg.LLMatcher.validate_grammar(serialized, lltok)
-        if error:
-            raise GrammarError(f"the {grammar.kind} grammar does not compile: {error}")
-        return GrammarState(llg.LLMatcher(lltok, serialized, log_level=0), lltok.vocab_size, int(lltok.eos_token),
-                            self.leads())
+        matcher = llg.LLMatcher(lltok, grammar.serialized(), log_level=0)  # never raises: errors are its state
+        if not matcher.is_error():  # the first mask: a grammar may compile and still fail here ({"$ref": "#"})
+            words = torch.empty(((lltok.vocab_size + 31) // 32,), dtype=torch.int32)
+            matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        with self._lock:
+            self.num_compiled += 1
+        if matcher.is_error():
+            raise GrammarError(f"the {grammar.kind} grammar does not compile: {first_line(matcher.get_error())}")
+        with self._lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def state(self, grammar: Grammar) -> GrammarState:
+        """A fresh matcher for one sequence (a copy of the compiled one); GrammarError if it does not compile."""
+        compiled = self.compile(grammar)
+        lltok = self.ll_tokenizer()
+        return GrammarState(compiled.deep_copy(), lltok.vocab_size, int(lltok.eos_token), self.leads())
 
     def check(self, grammar: Grammar, token_ids: Sequence[int]) -> tuple[bool, bool]:
         """(whether these generated tokens form a complete match, whether the grammar allows nothing more);

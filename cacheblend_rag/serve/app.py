@@ -8,6 +8,7 @@ the scheduler's worker thread; handlers only queue a job and relay its events, s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..decode.generate import SamplingOptions
-from ..decode.grammar import GrammarCompiler
+from ..decode.grammar import Grammar
 from ..errors import (
     CacheBlendError,
     ChunkError,
@@ -37,12 +38,14 @@ from ..errors import (
 from ..tool_format import GENERIC, ToolFormat
 from .limits import RequestGuard, check_fits, max_token_chars
 from .metrics import ServerMetrics
-from .runner import EngineCall, Retriever, admit_documents, make_scheduler
+from .runner import EngineCall, Retriever, admit_documents, make_scheduler, prompt_tokens
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
 from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout
 from .tooling import CallStream, ChatPlan, answer_message, plan_chat
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_WORKERS = 2  # threads compiling grammars: a schema bomb holds at most these, never the default pool
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class ServeConfig:
     max_documents: int = 256  # documents + chunk_ids of one request; more get 400 before queueing
     header_timeout_s: float = 10.0  # a request's headers must arrive within this (uvicorn protocol, command.py)
     body_timeout_s: float = 60.0  # and its body within this after them (408)
+    max_grammar_bytes: int = 128 * 1024  # a request's schema or tool grammar, as text; a larger one gets 400
+    grammar_timeout_s: float = 10.0  # a grammar must compile (waiting for a compile thread included) within this
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -79,6 +84,10 @@ class ServeConfig:
             raise ConfigError(f"max_body_bytes must be ≥ 1024, got {self.max_body_bytes}")
         if self.max_documents < 1:
             raise ConfigError(f"max_documents must be ≥ 1, got {self.max_documents}")
+        if self.max_grammar_bytes < 1024:
+            raise ConfigError(f"max_grammar_bytes must be ≥ 1024, got {self.max_grammar_bytes}")
+        if not self.grammar_timeout_s > 0:
+            raise ConfigError(f"grammar_timeout_s must be > 0 seconds, got {self.grammar_timeout_s}")
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
             raise ConfigError(f"the header and body timeouts must be > 0 seconds, got {self.header_timeout_s} and "
                               f"{self.body_timeout_s}")
@@ -190,11 +199,14 @@ class _Server:
         self.engine, self.config = engine, config
         self.retriever = Retriever(config.home, config.chroma_host, config.chroma_port)
         self.scheduler = make_scheduler(engine, self.retriever, config.max_queue, config.max_batch)
-        self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size, engine.kv_store.stats)
+        self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size, engine.kv_store.stats,
+                                     lambda: engine.grammars.num_compiled)
         self.created = int(time.time())
         self._mean_latency_s: float | None = None
         self.chars_per_token = max_token_chars(engine.tokenizer)  # bounds a prompt's tokens from its length
-        self.grammars = GrammarCompiler(engine.tokenizer)  # checks a request's grammar before it queues
+        # grammars compile here, apart from the default pool that admits every request: plain requests never
+        # wait behind a schema; the engine's compiler keeps what compiled, so the worker does not compile again
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_WORKERS, "cacheblend-grammar")
 
     # ---- requests to engine calls ---------------------------------------------------------
 
@@ -250,19 +262,45 @@ class _Server:
         return self._call(body, body.prompt_text(), None, self.config.default_max_tokens)
 
     def _admitted(self, call: EngineCall) -> EngineCall:
-        """The call, checked for size and its documents tokenized: what cannot fit is refused here, before it takes
-        a queue slot or the engine's worker (which tokenized it before)."""
+        """The call, checked for size and its documents tokenized: what cannot fit is refused here, before its
+        grammar compiles, before it takes a queue slot or the engine's worker (which tokenized it before)."""
         if len(call.documents) > self.config.max_documents:
             raise APIError(400, f"{len(call.documents)} documents and chunk ids; this server takes at most "
                            f"{self.config.max_documents} per request", code="too_many_documents")
-        check_fits(call, int(self.engine.context_window), self.chars_per_token)
-        if call.sampling.grammar is not None:
-            self.grammars.state(call.sampling.grammar)  # GrammarError (a 400) for a schema that does not compile
-        return admit_documents(self.engine, call)
+        context_window = int(self.engine.context_window)
+        check_fits(call, context_window, self.chars_per_token)
+        call = admit_documents(self.engine, call)
+        tokens = prompt_tokens(self.engine, call)  # the schema's and tools' instructions included
+        if tokens + call.sampling.max_new_tokens > context_window:
+            raise PromptTooLongError(f"the prompt has {tokens} tokens (system text, tools and schema included) + "
+                                     f"max_tokens={call.sampling.max_new_tokens}, more than the model's context "
+                                     f"window of {context_window} tokens; send a shorter prompt, schema or tools")
+        return call
+
+    async def _compile(self, grammar: Grammar) -> None:
+        """Compile the call's grammar on the grammar threads within the size and time limits: a 400 otherwise."""
+        size = len(grammar.source.encode())
+        if size > self.config.max_grammar_bytes:
+            raise APIError(400, f"the request's {grammar.kind} grammar (its schema or tools) has {size} bytes, more "
+                           f"than this server's limit of {self.config.max_grammar_bytes} (--max-grammar-bytes)",
+                           code="grammar_too_large")
+        compiled = asyncio.wrap_future(self.grammar_pool.submit(self.engine.grammars.compile, grammar))
+        try:
+            await asyncio.wait_for(compiled, self.config.grammar_timeout_s)
+        except TimeoutError:
+            logger.warning("a %s grammar of %d bytes did not compile within %g s", grammar.kind, size,
+                           self.config.grammar_timeout_s)
+            raise APIError(400, f"the request's {grammar.kind} grammar did not compile within "
+                           f"{self.config.grammar_timeout_s:g} s (--grammar-timeout); send a simpler schema or fewer "
+                           "tools", code="grammar_too_complex") from None
 
     async def admit(self, call: EngineCall) -> EngineCall:
-        """`_admitted` on a thread of its own: neither the event loop nor the engine's worker tokenizes."""
-        return await asyncio.to_thread(self._admitted, call)
+        """`_admitted` on a thread of its own (neither the event loop nor the engine's worker tokenizes), then its
+        grammar compiled (GrammarError, a 400, for one that does not compile or fails at its first token)."""
+        call = await asyncio.to_thread(self._admitted, call)
+        if call.sampling.grammar is not None:
+            await self._compile(call.sampling.grammar)
+        return call
 
     # ---- running a job ----------------------------------------------------------------------
 
@@ -419,6 +457,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
             yield
         finally:  # uvicorn has finished the in-flight requests by now
             await asyncio.to_thread(server.scheduler.stop, config.timeout_s)
+            server.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cacheblend-rag", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

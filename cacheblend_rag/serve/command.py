@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a client has to send a request's headers (default 10); then the connection closes")
     p.add_argument("--body-timeout", type=_seconds, default=60.0, metavar="S",
                    help="seconds a client has to send a request's body after its headers (default 60); then 408")
+    p.add_argument("--max-grammar-bytes", type=_size, default=128 * 1024, metavar="SIZE",
+                   help="largest response_format schema or tools grammar, as text; larger gets 400 (default 128KiB)")
+    p.add_argument("--grammar-timeout", type=_seconds, default=10.0, metavar="S",
+                   help="seconds a request's grammar may take to compile, waiting included; longer gets 400 "
+                        "(default 10)")
     p.add_argument("-v", "--verbose", action="store_true", help="log INFO messages and every request to stderr")
 
 
@@ -117,7 +122,8 @@ def run_cli(args: argparse.Namespace) -> int:
                          default_max_tokens=args.max_tokens, max_batch=args.max_batch, home=args.home,
                          chroma_host=args.chroma_host, chroma_port=args.chroma_port,
                          max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
-                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
+                         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                         max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout)
     if not _is_loopback(args.host) and config.api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     # --kv-store tiers (cli.py adds the option), else memory over the disk under --home; built before the model

@@ -64,13 +64,29 @@ class StoreCollector(Collector):
         return iter(())
 
 
+class CountCollector(Collector):
+    """One counter read from a callback at every scrape (a count kept by the engine, not by the server)."""
+
+    def __init__(self, name: str, doc: str, count: Callable[[], int]) -> None:
+        self.name, self.doc, self.count = name, doc, count
+
+    def collect(self) -> Iterator[Metric]:
+        """The counter's one sample."""
+        yield CounterMetricFamily(self.name, self.doc, value=self.count())
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the value is read at scrape time."""
+        return iter(())
+
+
 class ServerMetrics:
     """Counters, histograms and gauges of the server; `render()` is the /metrics body."""
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, queue_depth: Callable[[], int], batch_size: Callable[[], int],
-                 store_stats: Callable[[], dict] | None = None) -> None:
+                 store_stats: Callable[[], dict] | None = None,
+                 grammar_compilations: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("cacheblend_requests", "Requests answered, by route and HTTP status",
@@ -97,6 +113,10 @@ class ServerMetrics:
         self.batch_size.set_function(batch_size)
         if store_stats is not None:
             r.register(StoreCollector(store_stats))
+        if grammar_compilations is not None:
+            r.register(CountCollector("cacheblend_grammar_compilations",
+                                      "Grammars (schemas, tools) compiled; a grammar seen again is not compiled again",
+                                      grammar_compilations))
 
     def observe_finished(self, usage: dict, stats: dict, ttft_s: float | None, latency_s: float) -> None:
         """Record one request that produced an answer."""

@@ -84,6 +84,19 @@ def admit_documents(engine, call: EngineCall) -> EngineCall:
     return replace(call, documents=tuple(chunks))
 
 
+def prompt_tokens(engine, call: EngineCall) -> int:
+    """Tokens of the call's prompt as the engine will build it (system text, tools' and schema's instructions,
+    turns, question and the tokenized documents; chunk ids and retrieved chunks not counted, so a lower bound for
+    those): counted on admission, before any grammar compiles. Runs off the worker thread."""
+    if not call.documents and call.retrieval is None:
+        return engine.count_prompt_tokens(call.messages or call.question, call.tools)
+    template = PromptTemplate(system=call.system) if call.system else engine.template
+    question, history = conversation(call)
+    prefix, separator, suffix = template.render(engine.tokenizer, question, history)
+    chunks = [c for c in call.documents if isinstance(c, Chunk)]
+    return len(prefix) + len(suffix) + sum(c.num_tokens for c in chunks) + len(separator) * max(len(chunks) - 1, 0)
+
+
 def conversation(call: EngineCall) -> tuple[str, tuple[dict, ...]]:
     """(question, earlier turns) of a call on the documents path: the last user message of a chat (a tool's result
     is one) and the messages before it, system messages left to the template; a completion has no earlier turns."""
