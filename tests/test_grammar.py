@@ -6,6 +6,7 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from cacheblend_rag import CacheBlendEngine, ConfigError, Grammar, GrammarError
 from cacheblend_rag.decode.generate import SamplingOptions
@@ -144,3 +145,30 @@ def test_bad_grammars_and_the_reference_decoder_are_config_errors(engine, tokeni
     hf = CacheBlendEngine(engine.model, tokenizer, decoder="hf")
     with pytest.raises(ConfigError, match='needs decoder="kv"'):
         hf.generate_prompt(PROMPTS[0], max_new_tokens=4, grammar=SCHEMA)
+
+
+def test_a_grammar_that_fails_while_decoding_ends_with_an_error_never_a_silent_stop(engine, tokenizer):
+    from cacheblend_rag.decode.grammar import GrammarDecodeError
+    from cacheblend_rag.decode.kv_decode import KVDecoder
+    from cacheblend_rag.serve.runner import ActiveRequest
+    from cacheblend_rag.serve.scheduler import Failed
+
+    blown = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+             "required": ["a"]}
+    with pytest.raises(GrammarDecodeError, match="failed while decoding, after 0 tokens"):  # before: text "", "stop"
+        engine.generate_prompt(PROMPTS[0], max_new_tokens=8, grammar=blown)
+    # "bee", then the model's choice: "s" ends it, "b" opens a recursion without end (past the parser's limits)
+    grammar = Grammar.lark('start: "bee" ("s" | "b" x)\nx: "(" x ")"')
+    bee, b = tokenizer.encode("bee"), tokenizer.encode("b")
+    assert len(bee) == 1 and len(b) == 1
+    pre = engine.prefill_prompt(PROMPTS[0], store_holes=False)
+    seq = KVDecoder(engine.adapter, tokenizer).sequence(pre.token_ids, pre.keys, pre.values,
+                                                        SamplingOptions(8, grammar=grammar))
+    assert seq.accept(bee[0]) == "bee" and not seq.finished
+    assert seq.accept(b[0]) == "b" and not seq.finished
+    # the parser gives up computing the next mask, which then allows only EOS: before, a "stop" with text "beeb"
+    assert seq.accept(seq.choose(torch.zeros(len(tokenizer)))) == "" and seq.finish_reason == "error"
+    assert "after 2 tokens" in seq.error
+    failed = ActiveRequest(None, seq, {}).done()  # what the server's batch hands its request: an error event
+    assert isinstance(failed, Failed) and isinstance(failed.error, GrammarDecodeError)
+

@@ -360,3 +360,25 @@ def test_a_grammar_compiles_once_and_one_over_the_size_limit_is_400(server):
     large = _post(server, _chat_body(response_format=_schema_format(_wide_schema(800))))  # 29 KB, ~10k tokens
     assert large.status_code == 400 and _error(large)["code"] == "grammar_too_large", large.text
     assert _compilations(server) == compiled + 1
+
+
+# ---- 3 of issue 38: a grammar that fails is an error, never an empty "stop" ---------------------------------------
+
+BLOWN_PATTERN = {"type": "string", "pattern": "^(a{1000}){1000}$"}  # compiles; its lexer gives up at the first token
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_grammar_failing_at_admission_or_at_its_first_token_is_400(server):
+    # before: 200 with content "" and finish_reason "stop", nothing logged
+    ref = _post(server, _chat_body(response_format=_schema_format({"$ref": "#"})))
+    assert ref.status_code == 400, ref.text
+    assert "does not compile" in _error(ref)["message"]
+    blown = {"type": "object", "properties": {"a": BLOWN_PATTERN}, "required": ["a"]}
+    first = _post(server, _chat_body(response_format=_schema_format(blown), max_tokens=32))
+    assert first.status_code == 400, first.text
+    assert "failed while decoding" in _error(first)["message"]
+    streamed = _post(server, _chat_body(response_format=_schema_format(blown), max_tokens=32, stream=True))
+    assert streamed.status_code == 400 and "failed while decoding" in _error(streamed)["message"], streamed.text
+    assert "grammar failed while decoding" in server.log.read_text()
+

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..kernels.decode_step import decode_attention
 from .generate import SamplingOptions
-from .grammar import GrammarCompiler
+from .grammar import GrammarCompiler, GrammarDecodeError, first_line
 from .text import IncrementalText, StopFilter
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ class KVSequence:
         self.settings = settings
         self.eos = decoder.eos_token_id
         self.generated: list[int] = []
-        self.finish_reason: str | None = None  # "stop" (EOS, a stop string, a complete grammar) or "length"
+        self.finish_reason: str | None = None  # "stop" (EOS, a stop string, a complete grammar), "length" or "error"
+        self.error: str | None = None  # why the grammar failed while decoding (finish_reason "error")
         # built before the first token is chosen: that choice is masked too
         self.grammar = decoder.grammars.state(settings.grammar) if settings.grammar is not None else None
         self.generator = None
@@ -161,6 +162,13 @@ class KVSequence:
         piece = ""
         if self.grammar is not None:
             self.grammar.consume(token_id)
+            if self.grammar.error:  # failed at this token or at its mask (which then allowed only EOS)
+                self.error = (f"the {self.settings.grammar.kind} grammar failed while decoding, after "
+                              f"{len(self.generated) - 1} tokens: {first_line(self.grammar.error)}; send a simpler "
+                              "schema (a pattern or a recursion past the grammar engine's limits?)")
+                logger.warning("%s", self.error)
+                self.finish_reason = "error"
+                return ""
         if token_id == self.eos:
             self.finish_reason = "stop"
         elif self._text is not None:
@@ -266,4 +274,6 @@ def kv_decode(adapter, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tens
             streamer.end()
     if on_done is not None:
         on_done(seq)
+    if seq.error is not None:
+        raise GrammarDecodeError(seq.error)
     return torch.tensor(seq.generated, dtype=torch.long)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..decode.generate import SamplingOptions
+from ..decode.grammar import GrammarDecodeError
 from ..errors import CollectionNotFoundError, PromptTooLongError
 from ..fuse.layout import PromptTemplate
 from ..fuse.policies import CacheBlend
@@ -168,9 +169,11 @@ class ActiveRequest:
         """The text of the first token, chosen from the prefill's logits before any decode step."""
         return self.sequence.first_piece
 
-    def done(self) -> Done:
-        """The Done event with the request's final stats."""
+    def done(self) -> Done | Failed:
+        """The Done event with the request's final stats; Failed when its grammar failed while decoding."""
         seq = self.sequence
+        if seq.error is not None:
+            return Failed(GrammarDecodeError(seq.error))
         self.stats["num_generated"] = len(seq.generated)
         self.stats["timing"] = dict(self.stats.get("timing", {}), decode_s=time.perf_counter() - self.decode_started)
         return Done(self.stats, "length" if seq.finish_reason == "length" else "stop")

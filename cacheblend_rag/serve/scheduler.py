@@ -257,7 +257,7 @@ class Decoding(Protocol):
     @property
     def first_piece(self) -> str: ...  # text ready before the first step (the prefill chose its token)
 
-    def done(self) -> Done: ...
+    def done(self) -> Done | Failed: ...  # Failed: the answer ended in an error (a grammar that failed)
 
 
 class BatchScheduler(_QueueWorker):
