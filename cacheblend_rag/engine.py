@@ -25,6 +25,7 @@ from .decode.generate import SamplingOptions, cut_at_stop, decode
 from .decode.grammar import GrammarCompiler
 from .decode.kv_decode import KVDecoder, KVSequence, kv_decode
 from .decode.stream import stream_decode
+from .decode.text import IncrementalText, StopFilter
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
@@ -481,7 +482,7 @@ class CacheBlendEngine:
             started = time.perf_counter()
             new_ids = self._decode(pre, sampling)
             decode_s = time.perf_counter() - started
-        text, _ = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
+        text, _ = self._answer_text(new_ids.tolist(), sampling)
         stats = dataclasses.replace(pre.stats, num_generated=int(new_ids.numel()),
                                     timing=dict(pre.stats.timing, decode_s=decode_s))
         reason, satisfied = self._finish(new_ids.tolist(), sampling)
@@ -564,11 +565,29 @@ class CacheBlendEngine:
         satisfied = complete = None
         if sampling.grammar is not None:
             satisfied, complete = self.grammars.check(sampling.grammar, new_ids)
-        _, cut = cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
+        _, cut = self._answer_text(new_ids, sampling)
         ended = bool(new_ids) and new_ids[-1] == self.tokenizer.eos_token_id
         if cut or ended or complete or len(new_ids) < sampling.max_new_tokens:  # shorter: cancelled, not cut
             return "stop", satisfied
         return "length", satisfied
+
+    def _answer_text(self, new_ids: list[int], sampling: SamplingOptions) -> tuple[str, bool]:
+        """(the answer's text cut at its first stop string, whether one cut it); in a constrained answer a stop
+        string counts only where it begins after the grammar could end, as the decoder itself stops."""
+        if sampling.grammar is None or not sampling.stop:
+            return cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
+        state, text, stops = self.grammars.state(sampling.grammar), IncrementalText(self.tokenizer), \
+            StopFilter(sampling.stop)
+        pieces = []
+        for token_id in new_ids:
+            if token_id == state.eos:
+                break
+            can_stop = state.satisfied
+            state.consume(token_id)
+            pieces.append(stops.push(text.push(token_id), armed=can_stop))
+            if stops.found:
+                return "".join(pieces), True
+        return "".join(pieces) + stops.flush(), False
 
     def _decode(self, pre: Prefill, sampling: SamplingOptions, streamer=None, cancel=None) -> torch.Tensor:
         """New token ids after the prefill, with the chosen decoder: "kv" takes its first token from the prefill's

@@ -172,3 +172,19 @@ def test_a_grammar_that_fails_while_decoding_ends_with_an_error_never_a_silent_s
     failed = ActiveRequest(None, seq, {}).done()  # what the server's batch hands its request: an error event
     assert isinstance(failed, Failed) and isinstance(failed.error, GrammarDecodeError)
 
+
+def test_a_stop_string_inside_a_constrained_answer_is_ignored_until_the_grammar_can_end(engine):
+    schema = {"type": "object", "properties": {"word": {"enum": ["bee, wasp"]}}, "required": ["word"],
+              "additionalProperties": False}
+    for stop in ([","], ['"}'], ["wasp"]):  # before: cut into '{"word": "bee' and finish_reason "stop"
+        out = engine.generate_prompt(PROMPTS[0], max_new_tokens=24, grammar=schema, stop=stop)
+        assert json.loads(out.text) == {"word": "bee, wasp"}, (stop, out.text)
+        assert out.grammar_satisfied is True and out.finish_reason == "stop"
+        seq, _ = engine.start_prompt(PROMPTS[0], max_new_tokens=24, grammar=schema, stop=stop)  # the server's path
+        pieces = [seq.first_piece]
+        while not seq.finished:
+            pieces += engine.advance([seq])
+        assert json.loads("".join(pieces)) == {"word": "bee, wasp"}, (stop, pieces)
+    free = engine.generate_prompt(PROMPTS[0], max_new_tokens=24, grammar=Grammar.lark('start: "yes. " /[a-z ]+/'),
+                                  stop=["."])  # cannot end before "yes. ": the stop there is part of the answer
+    assert free.text.startswith("yes.") and free.grammar_satisfied

@@ -382,3 +382,20 @@ def test_a_grammar_failing_at_admission_or_at_its_first_token_is_400(server):
     assert streamed.status_code == 400 and "failed while decoding" in _error(streamed)["message"], streamed.text
     assert "grammar failed while decoding" in server.log.read_text()
 
+
+# ---- 10 of issue 38: a stop string inside a constrained answer does not cut it ------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_stop_string_inside_a_json_schema_answer_is_ignored(client):
+    schema = {"type": "object", "properties": {"word": {"enum": ["bee, wasp"]}}, "required": ["word"]}
+    format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    for stop in ([","], ['"}']):  # before: '{"word": "bee' with finish_reason "stop"
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A word?"}],
+                                             max_tokens=24, stop=stop, response_format=format)
+        assert json.loads(out.choices[0].message.content) == {"word": "bee, wasp"}, (stop, out)
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A word?"}],
+                                                max_tokens=24, stop=stop, response_format=format, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert json.loads(text) == {"word": "bee, wasp"}, (stop, text)

@@ -160,6 +160,8 @@ class KVSequence:
         self.generated.append(token_id)
         self.next_token = token_id
         piece = ""
+        # a stop string inside a constrained answer counts only from where the grammar could end (before this token)
+        can_stop = self.grammar is None or self.grammar.satisfied
         if self.grammar is not None:
             self.grammar.consume(token_id)
             if self.grammar.error:  # failed at this token or at its mask (which then allowed only EOS)
@@ -172,7 +174,7 @@ class KVSequence:
         if token_id == self.eos:
             self.finish_reason = "stop"
         elif self._text is not None:
-            piece = self._stop.push(self._text.push(token_id))
+            piece = self._stop.push(self._text.push(token_id), armed=can_stop)
             if self._stop.found:
                 self.finish_reason = "stop"
         if self.finish_reason is None and self.grammar is not None and self.grammar.stopped:

@@ -36,10 +36,15 @@ class StopFilter:
         self.buffer = ""
         self.found = False
 
-    def push(self, piece: str) -> str:
-        """Text that is safe to hand out now; sets `found` once a stop string appeared (the text ends before it)."""
+    def push(self, piece: str, armed: bool = True) -> str:
+        """Text that is safe to hand out now; sets `found` once a stop string appeared (the text ends before it).
+        Unarmed (a constrained answer that cannot end yet), the piece and the held text pass unsearched: a stop
+        string counts only where it begins after the answer could have ended."""
         if not self.stop:
             return piece
+        if not armed:
+            out, self.buffer = self.buffer + piece, ""
+            return out
         self.buffer += piece
         cuts = [i for i in (self.buffer.find(s) for s in self.stop) if i >= 0]
         if cuts:
