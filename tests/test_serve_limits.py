@@ -399,3 +399,24 @@ def test_a_stop_string_inside_a_json_schema_answer_is_ignored(client):
                                                 max_tokens=24, stop=stop, response_format=format, stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert json.loads(text) == {"word": "bee, wasp"}, (stop, text)
+
+
+# ---- 2 of issue 38 (part): a shared server can keep its cache facts out of `usage` --------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_hide_cache_usage_leaves_the_cache_facts_out_of_usage(home, tiny_folder):
+    srv = ServerProcess(home, "--model", str(tiny_folder), "--api-key", KEY, "--hide-cache-usage")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        ask = dict(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Name a bee. " * 20}])
+        for _ in range(2):  # the second would report the first one's stored prefix as cached tokens
+            usage = client.chat.completions.create(**ask).usage.model_dump(exclude_none=True)
+            assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens"}, usage  # before: +cacheblend
+        streamed = [c.usage for c in client.chat.completions.create(**ask, stream=True,
+                                                                    stream_options={"include_usage": True})]
+        assert set(streamed[-1].model_dump(exclude_none=True)) == {"prompt_tokens", "completion_tokens",
+                                                                   "total_tokens"}
+    finally:
+        assert srv.stop() == 0, srv.log.read_text()

@@ -68,6 +68,9 @@ class ServeConfig:
     body_timeout_s: float = 60.0  # and its body within this after them (408)
     max_grammar_bytes: int = 128 * 1024  # a request's schema or tool grammar, as text; a larger one gets 400
     grammar_timeout_s: float = 10.0  # a grammar must compile (waiting for a compile thread included) within this
+    # answer `usage` without cache facts (cached tokens, the `cacheblend` stats): on a server shared by clients who
+    # must not learn what the others sent (docs/serve.md, "What a shared server reveals")
+    hide_cache_usage: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -318,10 +321,13 @@ class _Server:
         return job
 
     def _finished(self, job: Job, stats: dict, ttft_s: float | None) -> dict:
+        """The usage to answer with (its cache facts left out under `hide_cache_usage`); the metrics see them all."""
         usage = _usage(stats, job, ttft_s)
         latency = time.monotonic() - job.arrived
         self.metrics.observe_finished(usage, stats, ttft_s, latency)
         self._mean_latency_s = latency if self._mean_latency_s is None else 0.8 * self._mean_latency_s + 0.2 * latency
+        if self.config.hide_cache_usage:
+            return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
         return usage
 
     async def respond(self, request: Request, body: _Generation, call: EngineCall, chat: bool,

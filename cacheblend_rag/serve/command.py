@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-timeout", type=_seconds, default=10.0, metavar="S",
                    help="seconds a request's grammar may take to compile, waiting included; longer gets 400 "
                         "(default 10)")
+    p.add_argument("--hide-cache-usage", action="store_true",
+                   help="answer `usage` without cache facts (cached tokens, the `cacheblend` stats), so clients of a "
+                        "shared server cannot tell what the others sent (docs/serve.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="log INFO messages and every request to stderr")
 
 
@@ -123,7 +126,8 @@ def run_cli(args: argparse.Namespace) -> int:
                          chroma_host=args.chroma_host, chroma_port=args.chroma_port,
                          max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                         max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout)
+                         max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
+                         hide_cache_usage=args.hide_cache_usage)
     if not _is_loopback(args.host) and config.api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     # --kv-store tiers (cli.py adds the option), else memory over the disk under --home; built before the model
