@@ -355,7 +355,8 @@ QWEN = "qwen2.5-coder-0.5b"
 def test_qwens_auto_call_comes_back_parsed_and_its_result_is_answered(tmp_path_factory):
     """`serve --model qwen2.5-coder-0.5b`: left to choose (auto), the model calls the weather tool in its template's
     own format; the openai SDK gets it as `tool_calls`, whole and streamed; with the result sent back the next
-    step answers from it in text (the second step under "none": under "auto" this model writes its call again)."""
+    step answers from it in text, under "none" and under "auto" (where this model writes its call again: answered
+    instead under "none")."""
     server = ServerProcess(_home(tmp_path_factory.mktemp("serve-qwen")), "--api-key", KEY, "--model", QWEN)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
@@ -375,5 +376,16 @@ def test_qwens_auto_call_comes_back_parsed_and_its_result_is_answered(tmp_path_f
                                                 tool_choice="none", max_tokens=32).choices[0]
         assert answer.message.tool_calls is None and ("24" in answer.message.content
                                                       or "sunny" in answer.message.content.lower())
+        # under "auto" the model writes the same call again: not a step (an agent would loop), answered instead
+        again = client.chat.completions.create(model=QWEN, messages=history, tools=[WEATHER, TIME],
+                                               max_tokens=32).choices[0]
+        assert again.finish_reason == "stop" and again.message.tool_calls is None
+        assert "24" in again.message.content or "sunny" in again.message.content.lower()
+        pieces = list(client.chat.completions.create(model=QWEN, messages=history, tools=[WEATHER, TIME],
+                                                     max_tokens=32, stream=True))
+        assert not any(p.choices[0].delta.tool_calls for p in pieces if p.choices)
+        streamed = "".join(p.choices[0].delta.content or "" for p in pieces if p.choices)
+        assert "24" in streamed or "sunny" in streamed.lower()
+        assert pieces[-1].choices[0].finish_reason == "stop"
     finally:
         assert server.stop() == 0, server.log.read_text()

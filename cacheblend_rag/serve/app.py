@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import tools as generic_tools
 from ..decode.generate import SamplingOptions
 from ..decode.grammar import Grammar
 from ..errors import (
@@ -366,8 +367,11 @@ class _Server:
                     event = await job.next_event(self.config.poll_s, request.is_disconnected)
                 except (RequestTimeout, Cancelled) as e:
                     raise api_error(e) from e
-            usage = self._finished(job, event.stats, ttft_s)
             text = "".join(texts).strip()
+            if plan is not None and plan.answered and plan.repeats(self._calls(text, plan)):
+                body, (call, plan) = self._answer_instead(body, plan)
+                return await self.respond(request, body, call, chat, plan)
+            usage = self._finished(job, event.stats, ttft_s)
             choice: dict = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
             if chat:
                 choice["message"], choice["finish_reason"] = answer_message(
@@ -379,6 +383,19 @@ class _Server:
         finally:
             if not streaming:
                 job.cancel()  # a no-op once the job is done; stops it when the handler failed or its client left
+
+    @staticmethod
+    def _calls(text: str, plan: ChatPlan) -> list[generic_tools.ToolCall]:
+        """The calls an answer's text makes under `plan`."""
+        return generic_tools.parse_tool_calls(text, plan.functions, plan.format)[1] if plan.functions else []
+
+    def _answer_instead(self, body: ChatCompletionRequest, plan: ChatPlan) -> tuple[ChatCompletionRequest,
+                                                                                  tuple[EngineCall, ChatPlan]]:
+        """The request again under tool_choice "none", for an "auto" answer that only repeated answered calls."""
+        logger.info("tool_choice 'auto': the answer repeats calls whose results the chat holds; answering under "
+                    "'none' instead")
+        body = body.model_copy(update={"tool_choice": "none"})
+        return body, self.chat_call(body)
 
     async def _stream(self, job: Job, first: Piece | Done, body: _Generation, chat: bool, rid: str,
                       ttft_s: float, plan: ChatPlan | None = None) -> AsyncIterator[str]:
@@ -408,10 +425,19 @@ class _Server:
                 yield _sse(chunk("", role=True))
             event: Piece | Done | Failed = first
             leading = True  # strip the answer's leading whitespace, as the non-streaming answer is stripped
+            # under "auto" after tool results a call is held back until the answer ends: one that only repeats
+            # answered calls is not sent, the answer under "none" is streamed instead (see `respond`)
+            guarded = plan is not None and bool(plan.answered)
+            held: list[dict] = []
+            text = ""
             while True:
                 if isinstance(event, Piece) and calls is not None:
+                    text += event.text
                     for delta in calls.feed(event.text):
-                        yield _sse(chunk(delta))
+                        if guarded and "tool_calls" in delta:
+                            held.append(delta)
+                        else:
+                            yield _sse(chunk(delta))
                 elif isinstance(event, Piece):
                     text = event.text.lstrip() if leading else event.text
                     if text:
@@ -420,7 +446,19 @@ class _Server:
                 elif isinstance(event, Done):
                     finish_reason = event.finish_reason
                     if calls is not None:
-                        for delta in calls.finish():
+                        held += calls.finish()
+                        if guarded and plan.repeats(self._calls(text, plan)):
+                            body, (call, plan) = self._answer_instead(body, plan)
+                            job.cancel()
+                            try:
+                                job = self._submit(await self.admit(call))
+                                event = await job.next_event(self.config.poll_s)
+                            except (CacheBlendError, APIError, RequestTimeout) as e:
+                                yield _sse((e if isinstance(e, APIError) else api_error(e)).body())
+                                break
+                            calls, guarded, held = None, False, []
+                            continue
+                        for delta in held:
                             yield _sse(chunk(delta))
                         if calls.called and finish_reason != "length":
                             finish_reason = "tool_calls"

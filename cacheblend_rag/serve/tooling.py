@@ -40,6 +40,13 @@ class ChatPlan:
     functions: list[dict[str, Any]] = field(default_factory=list)  # the tools an answer may call (parsed for)
     tools: list[dict[str, Any]] | None = None  # listed by the chat template (its own tool format), for the request
     format: ToolFormat = GENERIC  # how calls are written (parsed and streamed)
+    # under "auto": the calls whose results the chat already holds (`tools.answered_calls`), for `repeats`
+    answered: frozenset[tuple[str, str]] = frozenset()
+
+    def repeats(self, calls: Sequence[generic_tools.ToolCall]) -> bool:
+        """Whether an answer's calls only repeat answered ones: not a step, answered again under "none" as the
+        integrations answer it (`tools.ToolTurn.repeats`: an agent left on "auto" would loop to its limit)."""
+        return bool(calls) and all(generic_tools.call_key(c.name, c.arguments) in self.answered for c in calls)
 
 
 def _call_id() -> str:
@@ -100,8 +107,9 @@ def plan_chat(body: ChatCompletionRequest, fmt: ToolFormat = GENERIC) -> ChatPla
     text = "\n".join(lines) or None
     grammar = generic_tools.tool_grammar(functions, choice, answer, parallel, fmt)
     chat = generic_tools.with_system_text(messages, text) if text else messages
+    answered = generic_tools.answered_calls(raw) if choice == "auto" else frozenset()
     return ChatPlan(chat, text, grammar, [] if choice == "none" else functions,
-                    generic_tools.template_tools(functions) if fmt.native else None, fmt)
+                    generic_tools.template_tools(functions) if fmt.native else None, fmt, answered)
 
 
 def tool_call_json(call: generic_tools.ToolCall, index: int | None = None) -> dict[str, Any]:
