@@ -393,8 +393,10 @@ def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
                      "--out", str(out), "-q"]) == 0
     faq = json.loads((out / "faq.json").read_text())
     pairs = {(r["frame"], r["method"]) for r in faq["summary"]}
-    assert pairs >= {("chat", "full_prefill"), ("string", "cacheblend@0.15")}
-    assert len(faq["records"]) == 2 * 2 * 3 and "| string | cacheblend@0.15 |" in (out / "faq.md").read_text()
+    assert pairs >= {("chat", "full_prefill"), ("string", "cacheblend@0.15"), ("tool", "cacheblend@0.15")}
+    assert len(faq["records"]) == 2 * 3 * 3 and "| tool | cacheblend@0.15 |" in (out / "faq.md").read_text()
+    tool = next(r for r in faq["records"] if r["frame"] == "tool")  # the question first, the pages after it
+    assert tool["question"] and tool["expected"]
 
 
 @pytest.mark.model

@@ -202,7 +202,7 @@ STUDIES: dict[str, tuple[str, object]] = {
     "shared-tier": ("a replica's TTFT on a Redis hit vs a memory hit; per codec behind a paced 1 Gbit/s link",
                     _ratio_study),
     "frames": ("fidelity per entry point: first-token KL vs the model's own forward of each frame's prompt", _behind),
-    "faq": ("answer accuracy on a generated FAQ set (one fact per question) in the chat and string frames",
+    "faq": ("answer accuracy on a generated FAQ set (one fact per question) in the chat, string and tool (after a retriever tool) frames",
             _faq_study),
     "tools": ("tool choice left to the model (auto): the right tool on 6 prompts that need one, none on 3 that "
               "don't; seconds per call", _nothing),
@@ -430,7 +430,7 @@ def _conversation_rss(args: argparse.Namespace, items: list[dict], engine) -> di
 
 
 def _faq(args: argparse.Namespace) -> dict:
-    """`faq`: accuracy on the generated FAQ set in the chat and string frames; prints and writes faq.md."""
+    """`faq`: accuracy on the generated FAQ set in the chat, string and tool frames; prints and writes faq.md."""
     from .frames import format_faq, run_faq
     from .report import machine
 

@@ -126,3 +126,17 @@ def chat_prompt(q: FaqQuestion) -> list[dict[str, str]]:
                                           "product information."},
             {"role": "user", "content": f"Product information:\n{context}\n\nQuestion: {q.question}\n"
                                         "Answer in one sentence."}]
+
+
+def tool_prompt(q: FaqQuestion) -> list[dict[str, str]]:
+    """An agent's step after a retriever tool: the question first, the pages after it in a `<tool_response>` turn
+    (as the integrations send a tool's result once the call is answered: `tools.answer_turn`)."""
+    context = "\n\n".join(q.chunks)
+    return [{"role": "system", "content": "You are a support assistant. Answer in one sentence, using only the "
+                                          "product information the tool returned."},
+            {"role": "user", "content": q.question},
+            {"role": "user", "content": f"<tool_response>\n{context}\n</tool_response>"}]
+
+
+FAQ_FRAMES = {"chat": chat_prompt, "string": string_prompt, "tool": tool_prompt}
+"""The frames `bench faq` asks each question in: the user's chat, a plain string, an agent's step after a tool."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .datasets import passages_of
-from .faq import chat_prompt, correct, faq_set, string_prompt
+from .faq import FAQ_FRAMES, correct, faq_set
 
 FRAMES = ("chain", "chat", "string", "langchain", "llama_index")
 FRAME_METHODS = (("full_prefill", None), ("cacheblend", 0.15), ("full_reuse", None))
@@ -153,21 +153,21 @@ def format_frames(summary: list[dict]) -> str:
 def run_faq(engine, *, num_questions: int = 40, k: int = 4, seed: int = 0, max_new_tokens: int = 32,
             methods: tuple[tuple[str, float | None], ...] = FRAME_METHODS, show_progress: bool = True,
             behind: str = "lead_in") -> dict:
-    """The FAQ answer-correctness set in the chat and string frames: accuracy per frame and method (the pages
+    """The FAQ answer-correctness set in the chat, string and tool frames (`FAQ_FRAMES`): accuracy per frame and method (the pages
     ingested as one corpus, each computed behind `behind`: the lead-in, or its nearest neighbour page)."""
     questions = faq_set(num_questions, k=k, seed=seed)
     engine.ingest(list(dict.fromkeys(c for q in questions for c in q.chunks)), show_progress=False, behind=behind)
     records = []
     started = time.perf_counter()
     for q in tqdm(questions, desc="faq", unit="question", disable=not show_progress):
-        for frame, prompt in (("chat", chat_prompt(q)), ("string", string_prompt(q))):
+        for frame, prompt in ((name, make(q)) for name, make in FAQ_FRAMES.items()):
             for method, ratio in methods:
                 out = engine.generate_prompt(prompt, method, ratio, max_new_tokens=max_new_tokens)
                 records.append({"frame": frame, "method": method if ratio is None else f"{method}@{ratio:g}",
                                 "question": q.question, "expected": q.answer, "answer": out.text,
                                 "correct": correct(out.text, q.answer), "ttft_s": out.ttft_s})
     summary = []
-    for frame in ("chat", "string"):
+    for frame in FAQ_FRAMES:
         for method in dict.fromkeys(r["method"] for r in records):
             rs = [r for r in records if r["frame"] == frame and r["method"] == method]
             summary.append({"frame": frame, "method": method, "n": len(rs),
