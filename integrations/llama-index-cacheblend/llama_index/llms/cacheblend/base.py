@@ -169,18 +169,19 @@ async def _atracked(gen: AsyncIterator[Any], calls: list[dict], live: dict) -> A
         live.update(query_stats(calls))
 
 
-_handler_lock = threading.Lock()
-_handler: QueryStatsHandler | None = None
+_install_lock = threading.Lock()
 
 
 def install_query_stats_handler() -> QueryStatsHandler:
-    """Register the handler on LlamaIndex's root dispatcher (once per process)."""
-    global _handler
-    with _handler_lock:
-        if _handler is None:
-            _handler = QueryStatsHandler()
-            get_dispatcher().add_event_handler(_handler)
-    return _handler
+    """The handler on LlamaIndex's root dispatcher, registered there once: the dispatcher holds it (no module
+    global), so it is registered again if the dispatcher's handlers were cleared."""
+    dispatcher = get_dispatcher()
+    with _install_lock:
+        handler = next((h for h in dispatcher.event_handlers if isinstance(h, QueryStatsHandler)), None)
+        if handler is None:
+            handler = QueryStatsHandler()
+            dispatcher.add_event_handler(handler)
+    return handler
 
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
