@@ -57,14 +57,17 @@ def policy_option(text: str) -> tuple[str, object]:
 
 
 def ratio_arg(text: str) -> float:
-    """`--ratio`: a fraction in [0, 1]."""
+    """`--ratio`: a fraction in [0, 1], checked by the policies' own `check_ratio`."""
+    from .fuse.policies import check_ratio  # lazily: it brings torch
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction in [0, 1]") from None
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
-    return value
+    try:
+        return check_ratio(value)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}") from None
 
 
 class _Parser(argparse.ArgumentParser):

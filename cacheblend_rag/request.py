@@ -4,24 +4,29 @@ Every surface (the engine's conveniences, LangChain, LlamaIndex, the server, the
 `Request.of(...)`, which reads the loose keywords they all accept (sampling keys, `method`, `recompute_ratio`, the
 method's own options) in one place, and hands it to the engine's `prefill_request` / `generate_request` /
 `stream_request` / `start_request`. A request is validated when it is built, so a bad one fails at the call.
+A surface with defaults of its own (an LLM object) merges one call's keywords over them with `call_keywords`;
+its default ratio is `DEFAULT_RECOMPUTE_RATIO`, the CacheBlend policy's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .decode.generate import SamplingOptions
 from .errors import ConfigError
 from .fuse.layout import PromptTemplate
-from .fuse.policies import CacheBlend, make_policy
+from .fuse.policies import CacheBlend, call_options, make_policy
 from .fuse.policy import Policy
 from .ingest.chunks import Chunk
 
 Prompt = str | Sequence[dict]  # a text prompt, or chat messages [{"role": ..., "content": ...}, ...]
 
-__all__ = ["Prompt", "Request"]
+__all__ = ["DEFAULT_RECOMPUTE_RATIO", "Prompt", "Request", "call_keywords"]
+
+DEFAULT_RECOMPUTE_RATIO: float = CacheBlend.recompute_ratio
+"""The recompute ratio every surface defaults to: the CacheBlend policy's field default, defined there alone."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,22 @@ class Request:
         policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
         return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
                    policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools))
+
+
+def call_keywords(call: Mapping[str, Any], *, method: str, recompute_ratio: float | str,
+                  policy_options: Mapping[str, Any], max_new_tokens: int, **sampling: Any) -> dict[str, Any]:
+    """`Request.of` keywords for one call of a surface with defaults (an LLM object): the call's `method`,
+    `recompute_ratio`, `max_new_tokens` (or `max_tokens`) and policy options over the surface's own (its options
+    only where the call keeps its method), then the sampling keywords the surface resolved (`temperature`, `top_p`,
+    `seed`, `stop`, ...). Nothing is checked here: `Request.of` checks it all."""
+    chosen = call.get("method", method)
+    return dict(
+        call_options(chosen, method, policy_options, call),
+        method=chosen,
+        recompute_ratio=call.get("recompute_ratio", recompute_ratio),
+        max_new_tokens=call.get("max_new_tokens", call.get("max_tokens", max_new_tokens)),
+        **sampling,
+    )
 
 
 def check_question(question: object, what: str = "question") -> None:

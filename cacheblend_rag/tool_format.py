@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,9 +73,18 @@ class ToolFormat:
         added = getattr(tokenizer, "added_tokens_decoder", {})
         key = (json.dumps(template, sort_keys=True), str(getattr(tokenizer, "special_tokens_map", "")),
                tuple(t.content for t in added.values()))
-        if key not in _LEARNED:
-            _LEARNED[key] = learn(tokenizer)
-        return _LEARNED[key]
+        with _LEARNED_LOCK:
+            fmt = _LEARNED.get(key)
+            if fmt is not None:
+                _LEARNED.move_to_end(key)
+                return fmt
+        fmt = learn(tokenizer)  # outside the lock: it renders the template (two threads may both learn it)
+        with _LEARNED_LOCK:
+            _LEARNED[key] = fmt
+            _LEARNED.move_to_end(key)
+            while len(_LEARNED) > MAX_LEARNED:
+                _LEARNED.popitem(last=False)
+        return fmt
 
     @property
     def opener(self) -> str:
@@ -195,7 +206,10 @@ def result_message(content: str) -> dict[str, str]:
 GENERIC = ToolFormat(TOOL_OPEN, TOOL_CLOSE, TOOL_CLOSE + "\n" + TOOL_OPEN)
 """The generic format: `<tool_call>{"name", "arguments"}</tool_call>`, parallel calls a line each."""
 
-_LEARNED: dict[tuple[str, str, tuple[str, ...]], ToolFormat] = {}
+MAX_LEARNED = 32
+"""Chat templates whose format `ToolFormat.of` keeps learned (the least recently used beyond it is learned again)."""
+_LEARNED: OrderedDict[tuple[str, str, tuple[str, ...]], ToolFormat] = OrderedDict()
+_LEARNED_LOCK = threading.Lock()
 
 Render = Callable[[list[dict[str, Any]], bool], str]
 

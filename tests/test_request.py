@@ -74,3 +74,16 @@ def test_a_prompt_request_finds_the_stored_chunks_and_uses_its_policy_object(eng
     out = engine.generate_request(Request(prompt=prompt, policy=FullReuse(), sampling=SamplingOptions(max_new_tokens=2)))
     assert out.stats["method"] == "full_reuse" and len(out.stats["chunk_hits"]) == len(TEXTS)
     assert out.stats["num_recomputed"] == 0 and len(out.token_ids) == 2
+
+
+def test_one_default_ratio_and_one_call_keyword_merge():
+    from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO, call_keywords
+
+    assert DEFAULT_RECOMPUTE_RATIO == CacheBlend().recompute_ratio
+    ours = dict(method="cacheblend", recompute_ratio=0.2, policy_options={"check_layers": (1, 2)}, max_new_tokens=9)
+    kept = call_keywords({"max_tokens": 4, "deviation": "v"}, **ours, temperature=0.0)
+    assert kept == dict(check_layers=(1, 2), deviation="v", method="cacheblend", recompute_ratio=0.2,
+                        max_new_tokens=4, temperature=0.0)
+    other = call_keywords({"method": "full_reuse", "recompute_ratio": 0.5}, **ours)
+    assert other == dict(method="full_reuse", recompute_ratio=0.5, max_new_tokens=9)  # the LLM's options stay home
+    assert Request.of(TEXTS, QUESTION, **kept).policy == CacheBlend(0.2, check_layers=(1, 2), deviation="v")

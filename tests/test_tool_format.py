@@ -233,3 +233,13 @@ def test_call_stream_sends_calls_in_the_templates_syntax(tokenizer, name, size):
     streamed = [d for d in deltas[:-1] if d["tool_calls"][0]["function"].get("arguments")]
     if name != "mistral" and size < len(text):  # framed alone: arguments go out in pieces before the end
         assert len(streamed) > 1
+
+
+def test_learned_formats_are_bounded(tokenizer, monkeypatch):
+    import cacheblend_rag.tool_format as tool_format
+
+    monkeypatch.setattr(tool_format, "MAX_LEARNED", 2)
+    monkeypatch.setattr(tool_format, "_LEARNED", type(tool_format._LEARNED)())
+    formats = [ToolFormat.of(with_template(tokenizer, name)) for name in NAMES]
+    assert len(tool_format._LEARNED) == 2  # the least recently used template was dropped
+    assert ToolFormat.of(with_template(tokenizer, NAMES[0])) == formats[0]  # learned again, the same format

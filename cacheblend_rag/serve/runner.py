@@ -112,8 +112,8 @@ def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Reque
     """The engine's request for a call (its retrieval run here); `stats` gets `num_retrieved`."""
     if not call.documents and call.retrieval is None:
         prompt = call.messages if call.messages else call.question
-        return Request(prompt=prompt, policy=call.policy, auto_ratio=call.auto_ratio, sampling=call.sampling,
-                       tools=call.tools)
+        return Request.of(prompt=prompt, method=call.policy, recompute_ratio=_ratio(call), sampling=call.sampling,
+                          tools=call.tools)
     chunks = list(call.documents)
     if call.retrieval is not None:
         collection, k = call.retrieval
@@ -122,8 +122,13 @@ def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Reque
         chunks += retrieved
     template = PromptTemplate(system=call.system) if call.system else None
     question, history = conversation(call)
-    return Request(question=question, chunks=tuple(chunks), history=history, template=template, policy=call.policy,
-                   auto_ratio=call.auto_ratio, sampling=call.sampling)
+    return Request.of(tuple(chunks), question, method=call.policy, recompute_ratio=_ratio(call), history=history,
+                      template=template, sampling=call.sampling)
+
+
+def _ratio(call: EngineCall) -> str | None:
+    """`Request.of`'s `recompute_ratio` for a call whose policy is built: "auto" leaves it to the engine."""
+    return "auto" if call.auto_ratio else None
 
 
 def run_job(engine, retriever: Retriever, job: Job) -> None:

@@ -9,6 +9,7 @@ callers call the hooks directly instead of probing for them.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
@@ -157,6 +158,54 @@ class LayerReader(Protocol):
 
 
 EvictCallback = Callable[[KVKey, ChunkKV], None]
+
+STORED_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+                                         "float32": torch.float32}
+"""The dtypes an entry's header may name for its KV (disk and Redis), by name: a closed list, never getattr on
+stored text."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype's name as a header writes it (`torch.float16` -> "float16")."""
+    return str(dtype).removeprefix("torch.")
+
+
+def raw_layer_nbytes(meta: dict) -> int:
+    """Stored bytes of one raw layer (keys then values in the header's dtype) of a checked header."""
+    itemsize = torch.empty(0, dtype=STORED_DTYPES[meta["dtype"]]).element_size()
+    return (int(meta["num_tokens"]) * int(meta["num_kv_heads"]) * (int(meta["head_dim"]) + int(meta["v_head_dim"]))
+            * itemsize)
+
+
+class EntryReader(LayerReader):
+    """The skeleton of a stored entry's reader (disk, Redis): opened for one request with its checked header
+    `meta` and token ids; a subclass reads each layer into `_read` (under `_lock`) and counts `bytes_read`."""
+
+    def __init__(self, key: KVKey, meta: dict, token_ids: torch.Tensor, layer_nbytes: int) -> None:
+        self.key = key
+        self._meta = meta
+        self.token_ids = token_ids
+        self.num_layers = int(meta["num_layers"])
+        self.layer_nbytes = layer_nbytes
+        self.positions_start = int(meta["positions_start"])
+        self.bytes_read = 0
+        self._read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+        return int(self.token_ids.shape[0])
+
+    def _check_index(self, layer: int, where: str) -> None:
+        """IndexError for a layer the entry does not have (a caller's bug, not a bad entry)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers {where}")
+
+    def _whole(self) -> ChunkKV:
+        """The entry from its layers, every one of them read."""
+        layers = [self._read[i] for i in range(self.num_layers)]
+        return ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids, self.positions_start)
 
 
 class ResidentReader(LayerReader):

@@ -25,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from ..errors import ConfigError, KVWriteError
-from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, token_ids_digest
+from .base import (STORED_DTYPES, ChunkKV, EntryReader, KVKey, KVStore, LayerReadError, dtype_name, raw_layer_nbytes,
+                   token_ids_digest)
 from .codecs import CODECS, KVCodec, RawCodec, get_codec
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,6 @@ FORMAT_VERSION = "2"  # coded files (codec named in the header); raw files are s
 RAW_FORMAT_VERSION = "1"  # k.<layer>/v.<layer> tensors in one float dtype (the fp16 default)
 SUFFIX = ".safetensors"
 QUARANTINE_DIR = ".quarantine"
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _READ_ATTEMPTS = 3
 _ITEMSIZE = {"U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8,
              "I64": 8, "F64": 8, "BOOL": 1}
@@ -53,10 +53,6 @@ class _Corrupt(Exception):
 
 class _LayerOutOfRange(IndexError):
     """Internal: get_layer asked for a layer the (valid) entry does not have."""
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _crc(t: torch.Tensor) -> str:
@@ -128,8 +124,8 @@ class DiskStore(KVStore):
                  codec: str | KVCodec = "fp16") -> None:
         if max_bytes is not None and max_bytes < 0:
             raise ConfigError(f"max_bytes must be >= 0 or None, got {max_bytes}")
-        if _dtype_name(dtype) not in _DTYPES:
-            raise ConfigError(f"disk dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+        if dtype_name(dtype) not in STORED_DTYPES:
+            raise ConfigError(f"disk dtype must be one of {sorted(STORED_DTYPES)}, got {dtype}")
         if isinstance(codec, str):
             if codec not in CODECS:
                 raise ConfigError(f"unknown KV codec {codec!r}; choose one of {sorted(CODECS)}")
@@ -314,7 +310,7 @@ class DiskStore(KVStore):
         dtype = self.dtype
         cast = [t.to("cpu", dtype) for t in src]
         if any(s.dtype != c.dtype and _overflows(s, c) for s, c in zip(src, cast)):
-            logger.warning("KV of %s overflows %s; storing this entry in float32", key, _dtype_name(dtype))
+            logger.warning("KV of %s overflows %s; storing this entry in float32", key, dtype_name(dtype))
             dtype = torch.float32
             cast = [t.to("cpu", dtype) for t in src]
         tensors: dict[str, torch.Tensor] = {}
@@ -340,7 +336,7 @@ class DiskStore(KVStore):
             "num_kv_heads": str(tensors["k.0"].shape[1]),
             "head_dim": str(tensors["k.0"].shape[2]),
             "v_head_dim": str(tensors["v.0"].shape[2]),
-            "dtype": _dtype_name(dtype),
+            "dtype": dtype_name(dtype),
             "positions_start": str(int(kv.positions_start)),
         }
         meta.update({f"crc.{name}": _crc(t) for name, t in tensors.items()})
@@ -351,7 +347,7 @@ class DiskStore(KVStore):
         dtype = self.dtype  # what readers decode to
         if any(k.dtype != dtype and (_overflows(k, k.to(dtype)) or _overflows(v, v.to(dtype)))
                for k, v in zip(kv.keys, kv.values)):
-            logger.warning("KV of %s overflows %s; this entry decodes to float32", key, _dtype_name(dtype))
+            logger.warning("KV of %s overflows %s; this entry decodes to float32", key, dtype_name(dtype))
             dtype = torch.float32
         tensors: dict[str, torch.Tensor] = {}
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
@@ -371,7 +367,7 @@ class DiskStore(KVStore):
             "num_kv_heads": str(k0.shape[1]),
             "head_dim": str(k0.shape[2]),
             "v_head_dim": str(v0.shape[2]),
-            "dtype": _dtype_name(dtype),
+            "dtype": dtype_name(dtype),
             "positions_start": str(int(kv.positions_start)),
             "codec": codec.name,
             "codec_version": codec.version,
@@ -429,7 +425,7 @@ class DiskStore(KVStore):
             raise _Corrupt(f"format {_short(meta.get('format'))} v{_short(meta.get('format_version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
             raise _Corrupt(f"file holds {_short(meta.get('namespace'))}/{_short(meta.get('chunk_id'))}, not {key}")
-        if meta.get("dtype") not in _DTYPES:
+        if meta.get("dtype") not in STORED_DTYPES:
             raise _Corrupt(f"unknown dtype {_short(meta.get('dtype'))}")
         for name in _INT_FIELDS:
             value = str(meta.get(name, ""))
@@ -513,7 +509,7 @@ class DiskStore(KVStore):
     def _layer(self, f, meta: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's validated (keys, values) from an open file whose header was checked (decoded if coded)."""
         n, h = int(meta["num_tokens"]), int(meta["num_kv_heads"])
-        dtype = _DTYPES[meta["dtype"]]
+        dtype = STORED_DTYPES[meta["dtype"]]
         if meta["format_version"] == FORMAT_VERSION:
             tensors = {}
             for name in meta["_layers"][layer][0]:
@@ -624,7 +620,7 @@ class DiskStore(KVStore):
             logger.debug("evicted %s from disk cache", oldest)
 
 
-class DiskReader(LayerReader):
+class DiskReader(EntryReader):
     """One stored entry, opened once per request: header and token ids checked at open, each layer crc-checked
     as it is read. A bad layer quarantines the file and raises LayerReadError (the caller recomputes the chunk)."""
 
@@ -632,36 +628,21 @@ class DiskReader(LayerReader):
 
     def __init__(self, store: DiskStore, key: KVKey, path: Path, sig: tuple[int, ...], handle, meta: dict,
                  token_ids: torch.Tensor) -> None:
-        self.store = store
-        self.key = key
-        self.path = path
-        self._sig = sig
-        self._handle = handle
-        self._meta = meta
-        self.token_ids = token_ids
-        self.num_layers = int(meta["num_layers"])
         if "_layers" in meta:  # coded: what each layer's tensors take in the file
             self._layer_bytes = [nbytes for _, nbytes in meta["_layers"]]
         else:
-            itemsize = torch.empty(0, dtype=_DTYPES[meta["dtype"]]).element_size()
-            heads, n = int(meta["num_kv_heads"]), int(meta["num_tokens"])
-            self._layer_bytes = [n * heads * (int(meta["head_dim"]) + int(meta["v_head_dim"])) * itemsize] * self.num_layers
-        self.layer_nbytes = -(-sum(self._layer_bytes) // self.num_layers)  # stored bytes of a layer (mean)
-        self.positions_start = int(meta["positions_start"])
-        self.bytes_read = 0
-        self._read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            self._layer_bytes = [raw_layer_nbytes(meta)] * int(meta["num_layers"])
+        # stored bytes of a layer (mean)
+        super().__init__(key, meta, token_ids, -(-sum(self._layer_bytes) // len(self._layer_bytes)))
+        self.store = store
+        self.path = path
+        self._sig = sig
+        self._handle = handle
         self._failed = False
-        self._lock = threading.Lock()
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of tokens."""
-        return int(self.token_ids.shape[0])
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Read and validate one layer."""
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers in {self.path}")
+        self._check_index(layer, f"in {self.path}")
         with self._lock:
             if self._handle is None:
                 raise LayerReadError(self.key, layer, "reader closed")
@@ -680,10 +661,12 @@ class DiskReader(LayerReader):
     def complete(self) -> ChunkKV | None:
         """The whole entry (to promote into a faster tier), reading the layers not read yet; None if one fails."""
         try:
-            layers = [self._read.get(i) or self.layer(i) for i in range(self.num_layers)]
+            for i in range(self.num_layers):
+                if i not in self._read:
+                    self.layer(i)
         except LayerReadError:
             return None
-        return ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids, self.positions_start)
+        return self._whole()
 
     def close(self) -> None:
         """Release the file handle."""

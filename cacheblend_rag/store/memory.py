@@ -114,13 +114,7 @@ class MemoryStore(KVStore):
 
     def get(self, key: KVKey) -> ChunkKV | None:
         """The entry (now the most recently used), or None."""
-        with self._lock:
-            kv = self._entries.get(key)
-            if kv is None:
-                self._misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self._hits += 1
+        kv = self._lookup(key)
         if isinstance(kv, CodedEntry):
             try:
                 return kv.decode()
@@ -132,6 +126,13 @@ class MemoryStore(KVStore):
 
     def reader(self, key: KVKey) -> ResidentReader | CodedReader | None:
         """A reader over the held entry (decoding per layer when coded), or None."""
+        kv = self._lookup(key)
+        if kv is None:
+            return None
+        return CodedReader(kv, key, "memory") if isinstance(kv, CodedEntry) else ResidentReader(kv, key, "memory")
+
+    def _lookup(self, key: KVKey) -> ChunkKV | CodedEntry | None:
+        """The held entry, now the most recently used (a hit), or None (a miss)."""
         with self._lock:
             kv = self._entries.get(key)
             if kv is None:
@@ -139,7 +140,7 @@ class MemoryStore(KVStore):
                 return None
             self._entries.move_to_end(key)
             self._hits += 1
-        return CodedReader(kv, key, "memory") if isinstance(kv, CodedEntry) else ResidentReader(kv, key, "memory")
+        return kv
 
     def token_ids(self, key: KVKey) -> torch.Tensor | None:
         """The held entry's token ids (recency unchanged), or None."""

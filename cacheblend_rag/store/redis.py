@@ -32,7 +32,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import torch
 
 from ..errors import ConfigError, KVWriteError, MissingDependencyError
-from .base import ChunkKV, KVKey, KVStore, LayerReader, LayerReadError, token_ids_digest
+from .base import (STORED_DTYPES, ChunkKV, EntryReader, KVKey, KVStore, LayerReadError, dtype_name, raw_layer_nbytes,
+                   token_ids_digest)
 from .codecs import CODECS, CodecError, KVCodec, RawCodec, get_codec
 
 if TYPE_CHECKING:
@@ -45,9 +46,8 @@ FORMAT = "cacheblend-kv-redis"
 FORMAT_VERSION = 1  # raw tensors in `dtype`
 CODED_VERSION = 2  # a codec's tensors per layer (int8, cachegen, ...)
 MAX_META_BYTES = 256 * 1024  # ours are ~1 kB; a larger header is hostile or foreign and never parsed
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # What a codec's tensors may be (read back from meta, so a closed list, never getattr on stored text)
-_CODEC_DTYPES = {**_DTYPES, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "uint16": torch.uint16,
+_CODEC_DTYPES = {**STORED_DTYPES, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "uint16": torch.uint16,
                  "int32": torch.int32, "int64": torch.int64}
 _INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_dim", "positions_start")
 _INT_MAX = 10**9
@@ -76,10 +76,6 @@ def _import_redis():
         raise MissingDependencyError(
             "the Redis KV tier needs redis-py: pip install 'cacheblend-rag[redis]'") from e
     return redis
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _short(value: object) -> str:
@@ -151,8 +147,8 @@ class RedisStore(KVStore):
         redis = _import_redis()
         if not prefix or not all(c.isalnum() or c in "-_." for c in prefix):
             raise ConfigError(f"Redis key prefix must be non-empty [A-Za-z0-9_.-], got {prefix!r}")
-        if _dtype_name(dtype) not in _DTYPES:
-            raise ConfigError(f"Redis tier dtype must be one of {sorted(_DTYPES)}, got {dtype}")
+        if dtype_name(dtype) not in STORED_DTYPES:
+            raise ConfigError(f"Redis tier dtype must be one of {sorted(STORED_DTYPES)}, got {dtype}")
         if socket_timeout <= 0 or connect_timeout <= 0 or max_connections < 1 or retry_after_s < 0:
             raise ConfigError("socket_timeout and connect_timeout must be > 0, max_connections >= 1, "
                               "retry_after_s >= 0")
@@ -196,16 +192,16 @@ class RedisStore(KVStore):
         self.codec: KVCodec | None = None if isinstance(codec, RawCodec) else codec
         self.dtype = codec.dtype if isinstance(codec, RawCodec) and codec.name != "fp16" else dtype
         logger.info("Redis KV tier at %s, prefix %r, %s", self.url, prefix,
-                    self.codec.name if self.codec is not None else _dtype_name(dtype))
+                    self.codec.name if self.codec is not None else dtype_name(dtype))
 
     @classmethod
     def from_url(cls, url: str, *, dtype: torch.dtype = torch.float16, **options: Any) -> "RedisStore":
         """A store from `redis://host:port/db?prefix=NAME&dtype=float16` (our options read from the query)."""
         plain, ours = split_url(url)
         if "dtype" in ours:
-            if ours["dtype"] not in _DTYPES:
-                raise ConfigError(f"dtype={ours['dtype']!r} in {_display(url)}; use one of {sorted(_DTYPES)}")
-            dtype = _DTYPES[ours["dtype"]]
+            if ours["dtype"] not in STORED_DTYPES:
+                raise ConfigError(f"dtype={ours['dtype']!r} in {_display(url)}; use one of {sorted(STORED_DTYPES)}")
+            dtype = STORED_DTYPES[ours["dtype"]]
         if "prefix" in ours:
             options["prefix"] = ours["prefix"]
         if "codec" in ours:
@@ -406,7 +402,7 @@ class RedisStore(KVStore):
         cast = [(k.to(dtype), v.to(dtype)) for k, v in src]
         if dtype != torch.float32 and any(_overflows(s, c) for pair, cpair in zip(src, cast)
                                           for s, c in zip(pair, cpair) if s.dtype != c.dtype):
-            logger.warning("KV of %s overflows %s; storing this entry in float32", key, _dtype_name(dtype))
+            logger.warning("KV of %s overflows %s; storing this entry in float32", key, dtype_name(dtype))
             dtype = torch.float32
             cast = [(k.to(dtype), v.to(dtype)) for k, v in src]
         layers = [_to_bytes(k) + _to_bytes(v) for k, v in cast]
@@ -424,7 +420,7 @@ class RedisStore(KVStore):
             "num_kv_heads": int(k0.shape[1]),
             "head_dim": int(k0.shape[2]),
             "v_head_dim": int(v0.shape[2]),
-            "dtype": _dtype_name(dtype),
+            "dtype": dtype_name(dtype),
             "positions_start": int(kv.positions_start),
             "put_id": uuid.uuid4().hex,
             "ids_crc32": zlib.crc32(ids),
@@ -439,12 +435,12 @@ class RedisStore(KVStore):
         dtype = self.dtype  # what readers decode to
         if any(k.dtype != dtype and (_overflows(k, k.to(dtype)) or _overflows(v, v.to(dtype)))
                for k, v in zip(kv.keys, kv.values)):
-            logger.warning("KV of %s overflows %s; this entry decodes to float32", key, _dtype_name(dtype))
+            logger.warning("KV of %s overflows %s; this entry decodes to float32", key, dtype_name(dtype))
             dtype = torch.float32
         layers, tables = [], []
         for layer, (k, v) in enumerate(zip(kv.keys, kv.values)):
             tensors = codec.encode_layer(k.detach().cpu(), v.detach().cpu(), layer, kv.num_layers)
-            tables.append([[name, _dtype_name(t.dtype), list(t.shape)] for name, t in tensors.items()])
+            tables.append([[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors.items()])
             layers.append(b"".join(_to_bytes(t) for t in tensors.values()))
         token_ids = kv.token_ids.detach().to("cpu", torch.int64).contiguous()
         ids = _to_bytes(token_ids)
@@ -453,7 +449,7 @@ class RedisStore(KVStore):
             "format": FORMAT, "version": CODED_VERSION, "namespace": key.namespace, "chunk_id": key.chunk_id,
             "kv_digest": token_ids_digest(key.namespace, token_ids), "num_layers": kv.num_layers,
             "num_tokens": kv.num_tokens, "num_kv_heads": int(k0.shape[1]), "head_dim": int(k0.shape[2]),
-            "v_head_dim": int(v0.shape[2]), "dtype": _dtype_name(dtype), "positions_start": int(kv.positions_start),
+            "v_head_dim": int(v0.shape[2]), "dtype": dtype_name(dtype), "positions_start": int(kv.positions_start),
             "codec": codec.name, "codec_version": codec.version, "codec_params": codec.params(),
             "layer_tensors": tables, "layer_bytes": [len(b) for b in layers],
             "put_id": uuid.uuid4().hex, "ids_crc32": zlib.crc32(ids), "layer_crc32": [zlib.crc32(b) for b in layers],
@@ -509,7 +505,7 @@ class RedisStore(KVStore):
             raise _Corrupt(f"format {_short(meta.get('format'))} v{_short(meta.get('version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
             raise _Corrupt(f"entry holds {_short(meta.get('namespace'))}/{_short(meta.get('chunk_id'))}, not {key}")
-        if meta.get("dtype") not in _DTYPES:
+        if meta.get("dtype") not in STORED_DTYPES:
             raise _Corrupt(f"unknown dtype {_short(meta.get('dtype'))}")
         for name in _INT_FIELDS:
             value = meta.get(name)
@@ -564,8 +560,7 @@ class RedisStore(KVStore):
         """Stored bytes of one layer (keys then values; with a codec, the mean over layers)."""
         if meta["version"] == CODED_VERSION:
             return sum(meta["layer_bytes"]) // meta["num_layers"]
-        itemsize = torch.empty(0, dtype=_DTYPES[meta["dtype"]]).element_size()
-        return meta["num_tokens"] * meta["num_kv_heads"] * (meta["head_dim"] + meta["v_head_dim"]) * itemsize
+        return raw_layer_nbytes(meta)
 
     def _layer(self, meta: dict, layer: int, data: bytes | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's validated (keys, values) from its field's bytes."""
@@ -575,7 +570,7 @@ class RedisStore(KVStore):
         size = meta["layer_bytes"][layer] if coded else self.layer_nbytes(meta)
         if len(data) != size or zlib.crc32(data) != meta["layer_crc32"][layer]:
             raise _Corrupt(f"layer {layer} has the wrong size or checksum")
-        n, h, dtype = meta["num_tokens"], meta["num_kv_heads"], _DTYPES[meta["dtype"]]
+        n, h, dtype = meta["num_tokens"], meta["num_kv_heads"], STORED_DTYPES[meta["dtype"]]
         if coded:
             return self._decode(meta, layer, memoryview(data), dtype)
         split = n * h * meta["head_dim"] * torch.empty(0, dtype=dtype).element_size()
@@ -615,7 +610,7 @@ class RedisStore(KVStore):
             logger.debug("could not delete corrupt entry %s: %s", name, e)
 
 
-class RedisReader(LayerReader):
+class RedisReader(EntryReader):
     """One Redis entry for one request: the header was checked at open; each layer is one HGET, crc-checked.
 
     A missing or bad layer deletes the entry (unless a put replaced it) and raises LayerReadError, so the
@@ -625,27 +620,13 @@ class RedisReader(LayerReader):
     tier = "redis"
 
     def __init__(self, store: RedisStore, key: KVKey, meta: dict, raw_meta: bytes, token_ids: torch.Tensor) -> None:
+        super().__init__(key, meta, token_ids, store.layer_nbytes(meta))
         self.store = store
-        self.key = key
-        self._meta = meta
         self._raw_meta = raw_meta
-        self.token_ids = token_ids
-        self.num_layers = int(meta["num_layers"])
-        self.layer_nbytes = store.layer_nbytes(meta)
-        self.positions_start = int(meta["positions_start"])
-        self.bytes_read = 0
-        self._read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of tokens."""
-        return int(self.token_ids.shape[0])
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fetch and validate one layer (one HGET)."""
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} out of range for {self.num_layers} layers of {self.key}")
+        self._check_index(layer, f"of {self.key}")
         name = self.store.name_for(self.key)
         try:
             data = self.store._call(lambda: self.store._client.hget(name, _field(layer)))
@@ -670,8 +651,7 @@ class RedisReader(LayerReader):
                     self._read[i] = self._check(i, data)
             except (_Failure, LayerReadError):
                 return None
-        layers = [self._read[i] for i in range(self.num_layers)]
-        return ChunkKV(tuple(k for k, _ in layers), tuple(v for _, v in layers), self.token_ids, self.positions_start)
+        return self._whole()
 
     def close(self) -> None:
         """Nothing to release (connections are pooled per call)."""

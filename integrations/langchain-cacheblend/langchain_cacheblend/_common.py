@@ -9,8 +9,9 @@ from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES, all_option_names, call_options, make_policy
+from cacheblend_rag.fuse.policies import POLICIES, all_option_names, check_ratio, make_policy
 from cacheblend_rag.models.loader import DEFAULT_MODEL
+from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO, call_keywords
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
 
@@ -34,17 +35,13 @@ def check_call_kwargs(owner: str, kwargs: dict[str, Any], extra: Iterable[str] =
 
 def call_settings(defaults: Any, max_tokens: int, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`Request.of` keywords for one call: the call's kwargs over the model's fields (checked by `Request.of`)."""
-    method = kwargs.get("method", defaults.method)
-    options = call_options(method, defaults.method, defaults.policy_options, kwargs)
-    return dict(
-        method=method,
-        recompute_ratio=kwargs.get("recompute_ratio", defaults.recompute_ratio),
-        max_new_tokens=kwargs.get("max_tokens", kwargs.get("max_new_tokens", max_tokens)),
+    return call_keywords(
+        kwargs, method=defaults.method, recompute_ratio=defaults.recompute_ratio,
+        policy_options=defaults.policy_options, max_new_tokens=max_tokens,
         temperature=float(kwargs.get("temperature", defaults.temperature) or 0.0),
         top_p=kwargs.get("top_p", defaults.top_p),
         seed=kwargs.get("seed", defaults.seed),
         stop=stop if stop is not None else defaults.stop,
-        **options,
     )
 
 
@@ -98,7 +95,7 @@ class EngineFields(BaseModel):
     """Dtype of a lazily built engine."""
     method: str = "cacheblend"
     """Prefill method: full_prefill, prefix_cache, full_reuse or cacheblend."""
-    recompute_ratio: float = 0.15
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     """Share of reused chunk tokens recomputed per layer (cacheblend only)."""
     policy_options: dict[str, Any] = Field(default_factory=dict)
     """The method's own options, for any policy of the registry (`cacheblend_rag.fuse.policies.POLICIES`): e.g.
@@ -140,9 +137,7 @@ class EngineFields(BaseModel):
     @field_validator("recompute_ratio")
     @classmethod
     def _check_ratio(cls, value: float) -> float:
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"recompute_ratio must be within [0, 1], got {value}")
-        return value
+        return check_ratio(value)  # a ConfigError is a ValueError: pydantic reports it as a ValidationError
 
     @model_validator(mode="after")
     def _name_from_engine(self) -> Self:

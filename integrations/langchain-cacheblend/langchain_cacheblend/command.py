@@ -15,6 +15,7 @@ from cacheblend_rag.arguments import positive_int
 from cacheblend_rag.cli import add_data_arguments, chunk_store, check_device, open_engine, policy_option, ratio_arg
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import POLICIES
+from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO
 
 CHAINS = ("map_reduce", "map_rerank")
 
@@ -32,8 +33,8 @@ def add_ask(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--option", action="append", type=policy_option, default=[], metavar="KEY=VALUE",
                    help="an option of the method's policy, e.g. --option check_layers=[1,2] --option guard=0.1 "
                         "(VALUE is JSON, else a string; repeatable)")
-    p.add_argument("--ratio", type=ratio_arg, default=0.15,
-                   help="CacheBlend recompute ratio in [0, 1] (default 0.15)")
+    p.add_argument("--ratio", type=ratio_arg, default=DEFAULT_RECOMPUTE_RATIO,
+                   help=f"CacheBlend recompute ratio in [0, 1] (default {DEFAULT_RECOMPUTE_RATIO})")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help='stop the answer at TEXT (repeatable; default: a blank line or a new "Question:" line; '

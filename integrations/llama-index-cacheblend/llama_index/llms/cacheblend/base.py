@@ -19,10 +19,10 @@ from cacheblend_rag.tool_format import GENERIC, ToolFormat
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.fuse.prefill import stats_summary
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES, all_option_names, call_options, make_policy
+from cacheblend_rag.fuse.policies import POLICIES, all_option_names, check_ratio, make_policy
 from cacheblend_rag.ingest.chunks import looks_like_chunk_id, normalize_text
 from cacheblend_rag.models.loader import DEFAULT_MODEL
-from cacheblend_rag.request import Request
+from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO, Request, call_keywords
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -32,7 +32,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -169,18 +169,19 @@ async def _atracked(gen: AsyncIterator[Any], calls: list[dict], live: dict) -> A
         live.update(query_stats(calls))
 
 
-_handler_lock = threading.Lock()
-_handler: QueryStatsHandler | None = None
+_install_lock = threading.Lock()
 
 
 def install_query_stats_handler() -> QueryStatsHandler:
-    """Register the handler on LlamaIndex's root dispatcher (once per process)."""
-    global _handler
-    with _handler_lock:
-        if _handler is None:
-            _handler = QueryStatsHandler()
-            get_dispatcher().add_event_handler(_handler)
-    return _handler
+    """The handler on LlamaIndex's root dispatcher, registered there once: the dispatcher holds it (no module
+    global), so it is registered again if the dispatcher's handlers were cleared."""
+    dispatcher = get_dispatcher()
+    with _install_lock:
+        handler = next((h for h in dispatcher.event_handlers if isinstance(h, QueryStatsHandler)), None)
+        if handler is None:
+            handler = QueryStatsHandler()
+            dispatcher.add_event_handler(handler)
+    return handler
 
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
@@ -263,7 +264,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     kv_store: str | None = Field(default=None, description="KV store folder of a lazily built engine (~ expanded).")
     home: str | None = Field(default=None, description="Package home of a lazily built engine.")
     method: str = Field(default="cacheblend", description="full_prefill, prefix_cache, full_reuse or cacheblend.")
-    recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0, description="Recomputed share of reused tokens.")
+    recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, description="Recomputed share of reused tokens.")
     policy_options: dict = Field(default_factory=dict, description="The method's own options, for any policy of "
                                  "the registry (e.g. {'check_layers': (1, 2)} for cacheblend, {'alpha': 0.5} for "
                                  "cachecraft); checked by the policy.")
@@ -273,6 +274,11 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     _engine: CacheBlendEngine | None = PrivateAttr(default=None)
     _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
     _last: dict = PrivateAttr(default_factory=dict)
+
+    @field_validator("recompute_ratio")
+    @classmethod
+    def _check_ratio(cls, value: float) -> float:
+        return check_ratio(value)  # a ConfigError is a ValueError: pydantic reports it as a ValidationError
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
         if engine is not None and not isinstance(engine, CacheBlendEngine):
@@ -334,13 +340,9 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
                               f"{', '.join(sorted(_call_settings()))}")
         gen = {**self.generate_kwargs, **kwargs}
         sample = gen.get("do_sample", gen.get("temperature", 0.0) > 0)
-        method = gen.get("method", self.method)
-        options = call_options(method, self.method, self.policy_options, gen)
-        return dict(
-            **options,
-            method=method,
-            recompute_ratio=gen.get("recompute_ratio", self.recompute_ratio),
-            max_new_tokens=gen.get("max_new_tokens", gen.get("max_tokens", self.max_new_tokens)),
+        return call_keywords(
+            gen, method=self.method, recompute_ratio=self.recompute_ratio, policy_options=self.policy_options,
+            max_new_tokens=self.max_new_tokens,
             temperature=float(gen.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0,
             top_p=gen.get("top_p", 1.0), seed=gen.get("seed"), stop=gen.get("stop"), grammar=gen.get("grammar"),
             tools=gen.get("tools"),
