@@ -397,6 +397,12 @@ def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
     assert len(faq["records"]) == 2 * 3 * 3 and "| tool | cacheblend@0.15 |" in (out / "faq.md").read_text()
     tool = next(r for r in faq["records"] if r["frame"] == "tool")  # the question first, the pages after it
     assert tool["question"] and tool["expected"]
+    assert cli_main(["bench", "faq", "--limit", "1", "--k", "2", "--dtype", "float32", "--max-new-tokens", "4",
+                     "--methods", "relevance@0.3,full_reuse", "--out", str(out), "-q"]) == 0
+    faq = json.loads((out / "faq.json").read_text())
+    assert [r["method"] for r in faq["summary"]] == ["relevance@0.3", "full_reuse"] * 3
+    assert cli_main(["bench", "faq", "--methods", "relevance@most", "-q"]) == 2
+    assert "the ratio after @ must be a number" in capsys.readouterr().err
 
 
 @pytest.mark.model

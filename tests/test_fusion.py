@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine, ChunkError, ConfigError, PromptTooLongError
-from cacheblend_rag.fuse.policies import CacheBlend
+from cacheblend_rag import CacheBlendEngine, ChunkError, ConfigError, PromptTooLongError, Request
+from cacheblend_rag.fuse.policies import CacheBlend, make_policy
 
 TEXTS = [
     "The river Lune flows through Lancaster and reaches the sea at Sunderland Point.",
@@ -444,3 +444,38 @@ def test_chunks_computed_behind_a_neighbour_keep_the_invariants(tiny):
     assert _max_diff(reuse, plain.prefill(TEXTS, QUESTION, method="full_reuse")) > 1e-4
     with pytest.raises(ConfigError, match="behind must be one of"):
         near.ingest(TEXTS[:1], behind="previous")
+
+
+def test_relevance_keeps_the_invariants_and_recomputes_the_rows_the_question_reads(engine, tiny):
+    """`method="relevance"`: ratio 1 is full prefill, ratio 0 full reuse; in between, the same rows in every layer
+    (no layer runs over every row): the uncached ones and the top share of reused rows by the question's attention
+    over the stale KV (a probe pass of the uncached rows)."""
+    from cacheblend_rag.fuse.policies.relevance import question_relevance
+
+    full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
+    reuse = engine.prefill(TEXTS, QUESTION, method="full_reuse")
+    assert _max_diff(engine.prefill(TEXTS, QUESTION, method="relevance", recompute_ratio=1.0), full) <= 1e-4
+    assert _max_diff(engine.prefill(TEXTS, QUESTION, method="relevance", recompute_ratio=0.0), reuse) == 0.0
+    mid = engine.prefill(TEXTS, QUESTION, method="relevance", recompute_ratio=0.3)
+    stats = mid.stats
+    budget = round(0.3 * stats["num_reused"])
+    assert stats["num_recomputed"] == budget > 0
+    assert set(stats["rows_per_layer"]) == {stats["num_tokens"] - stats["num_reused"] - stats["num_exact_cached"]
+                                            + budget}
+    assert 0 < _max_diff(mid, full) and 0 < _max_diff(mid, reuse)
+
+    # the reused rows it recomputes are those the question reads most over the stale KV
+    policy = make_policy("relevance", 0.3)
+    fusion = engine._fusion_request(Request.of(TEXTS, QUESTION, method=policy))
+    placed = policy.place(engine.cache, fusion)
+    seq = engine.cache.sequence(fusion.layout.token_ids, fusion.layout.segment_of_row, placed.placements)
+    try:
+        chosen = policy.start(engine.adapter, seq, placed).active & seq.reused
+        score = question_relevance(engine.adapter, seq, engine.adapter.num_layers // 3)
+    finally:
+        seq.close()
+        placed.close()
+    left = seq.reused & ~chosen
+    assert int(chosen.sum()) == budget and float(score[chosen].min()) >= float(score[left].max())
+    with pytest.raises(ConfigError, match="from_layer"):
+        engine.prefill(TEXTS, QUESTION, method="relevance", recompute_ratio=0.3, from_layer=-1)

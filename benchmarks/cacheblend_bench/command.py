@@ -158,7 +158,30 @@ def _behind(p: argparse.ArgumentParser) -> None:
 
 def _faq_study(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=6, help="chunks per question (default 6)")
+    p.add_argument("--methods", default=None, metavar="M[@R],...",
+                   help="methods, each with its recompute ratio if it has one (default: full_prefill,"
+                   "cacheblend@0.15,full_reuse; e.g. full_prefill,cacheblend@0.15,relevance@0.15)")
     _behind(p)
+
+
+def _method_ratios(text: str | None) -> tuple[tuple[str, float | None], ...]:
+    """`--methods` of `faq`: "method[@ratio],..." → ((method, ratio or None), ...); a bad entry is a usage error."""
+    from cacheblend_rag.fuse.policies import POLICIES
+
+    from .frames import FRAME_METHODS
+
+    if text is None:
+        return FRAME_METHODS
+    out = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        method, _, ratio = entry.partition("@")
+        if method not in POLICIES:
+            raise ValueError(f"--methods: unknown method {method!r} (one of {', '.join(POLICIES)})")
+        try:
+            out.append((method, float(ratio) if ratio else None))
+        except ValueError:
+            raise ValueError(f"--methods: {entry!r}: the ratio after @ must be a number") from None
+    return tuple(out)
 
 
 def _conversation_study(p: argparse.ArgumentParser) -> None:
@@ -434,8 +457,9 @@ def _faq(args: argparse.Namespace) -> dict:
     from .frames import format_faq, run_faq
     from .report import machine
 
+    methods = _method_ratios(args.methods)
     engine = _engine(args, kv_store=args.kv_store)
-    result = run_faq(engine, num_questions=args.limit or 40, k=args.k, seed=args.seed,
+    result = run_faq(engine, num_questions=args.limit or 40, k=args.k, seed=args.seed, methods=methods,
                      max_new_tokens=args.max_new_tokens, show_progress=not args.quiet, behind=args.behind)
     header = (f"{args.limit or 40} FAQ questions, k = {args.k}, pages computed behind the {args.behind}, "
               f"{args.model}, {_dtype(engine)}; {machine()}")

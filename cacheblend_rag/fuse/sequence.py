@@ -71,6 +71,11 @@ class FusedSequence:
         """
         return self.loader.get(layer)
 
+    def twin(self) -> "FusedSequence":
+        """The same rows over the same stored KV, with a loader of its own (for a probe pass before the loop)."""
+        return FusedSequence(self.token_ids, self.segment_of_row, self.placements, self.num_layers,
+                             self.num_kv_heads, self.head_dim, self.dtype)
+
     def close(self) -> None:
         """Stop any prefetching and free layers loaded but not taken (the readers are closed by their owner)."""
         self.loader.close()

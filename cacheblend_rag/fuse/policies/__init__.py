@@ -17,6 +17,7 @@ from .cachecraft import CacheCraft
 from .full_prefill import FullPrefill
 from .full_reuse import FullReuse
 from .prefix_cache import PrefixCache
+from .relevance import Relevance
 
 POLICIES: dict[str, type] = {
     FullPrefill.name: FullPrefill,
@@ -24,12 +25,13 @@ POLICIES: dict[str, type] = {
     FullReuse.name: FullReuse,
     CacheBlend.name: CacheBlend,
     CacheCraft.name: CacheCraft,
+    Relevance.name: Relevance,
 }
 METHODS: tuple[str, ...] = tuple(POLICIES)  # the built-in methods; POLICIES also holds registered ones
 
 __all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
-           "PrefixCache", "all_option_names", "call_options", "make_policy", "option_names", "register_policy",
-           "takes_ratio"]
+           "PrefixCache", "Relevance", "all_option_names", "call_options", "make_policy", "option_names",
+           "register_policy", "takes_ratio"]
 
 
 def register_policy(policy_cls: type) -> type:

@@ -1,0 +1,91 @@
+"""Query relevance: recompute the reused rows the question reads most, found by a probe pass over the stale KV.
+
+Deviation-ranked recompute (CacheBlend's HKVD) chooses rows whose KV moved most; on look-alike documents and on an
+agent's step after a tool (the question first, the pages after it) the rows that decide the answer are not those
+(docs/benchmarks.md, "Right answers among look-alike documents": even the true deviation, measured against a full
+prefill, keeps no more answers at 15 %). This policy ranks by what the question reads instead, as ProphetKV
+(arXiv 2602.02579) does: a probe pass runs only the uncached rows (question, template) through every layer over
+the stale KV (a few dozen rows: cheap), and the attention the trailing rows give each reused row, summed over the
+deeper layers (each layer normalized over the reused rows), picks the `recompute_ratio` of reused rows that are
+recomputed in every layer. No layer runs over every row, so at the same ratio it computes fewer rows than
+CacheBlend. recompute_ratio=1 is full prefill, 0 is full reuse (no probe then).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ...errors import ConfigError
+from ...models.adapter import LlamaFamilyAdapter
+from .. import placement
+from ..hkvd import question_attention, top_rows
+from ..loop import LayerView, run_layers
+from ..policy import FusionRequest, Policy, RowSelection
+from ..sequence import FusedSequence
+from .cacheblend import check_ratio
+
+
+@dataclass
+class _AttentionProbe(RowSelection):
+    """The probe pass: every active row stays; records the trailing rows' attention to every row, per layer."""
+
+    per_layer: list[torch.Tensor] = field(default_factory=list)
+
+    def keep(self, view: LayerView) -> None:
+        """Record this layer's attention; keep every row."""
+        self.per_layer.append(question_attention(view).float())
+
+
+def question_relevance(adapter: LlamaFamilyAdapter, seq: FusedSequence, from_layer: int) -> torch.Tensor:
+    """(N,) how much the trailing uncached rows (the question) attend to each row over the stale KV, summed over
+    layers ≥ `from_layer`, each layer normalized by its mean over the reused rows (so layers weigh alike)."""
+    probe = seq.twin()
+    recorder = _AttentionProbe(~probe.cached)
+    try:
+        run_layers(adapter, probe, recorder, num_output_rows=1)
+    finally:
+        probe.close()
+    reused = seq.reused
+    score = torch.zeros(seq.num_rows, device=reused.device)
+    for attention in recorder.per_layer[from_layer:]:
+        score += attention / attention[reused].mean().clamp_min(1e-12)
+    return score
+
+
+@dataclass(frozen=True)
+class Relevance(Policy):
+    """Recompute the `recompute_ratio` of reused rows the question attends to most over the stale KV (a probe pass
+    of the uncached rows), in every layer; the rest keep their cached KV."""
+
+    recompute_ratio: float = 0.15  # share of reused rows recomputed, in every layer
+    from_layer: int | None = None  # the first layer whose attention counts (None: a third of the way down)
+    name: ClassVar[str] = "relevance"
+
+    def __post_init__(self) -> None:
+        check_ratio(self.recompute_ratio)
+        if self.from_layer is not None and (isinstance(self.from_layer, bool) or not isinstance(self.from_layer, int)
+                                            or self.from_layer < 0):
+            raise ConfigError(f"from_layer must be an integer ≥ 0 (or None), got {self.from_layer!r}")
+
+    def place(self, cache, request: FusionRequest) -> placement.Placements:
+        """The exact prefix and every stored chunk."""
+        return placement.every_chunk(cache, request)
+
+    def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
+              placed: placement.Placements) -> RowSelection:
+        """The uncached rows and the reused rows most relevant to the question (none: full reuse; all: full prefill)."""
+        reused = seq.reused
+        num_reused = int(reused.sum())
+        budget = round(self.recompute_ratio * num_reused)
+        if budget == 0:
+            return RowSelection(~seq.cached)
+        if budget >= num_reused:
+            return RowSelection(torch.ones_like(seq.cached))
+        first = adapter.num_layers // 3 if self.from_layer is None else self.from_layer
+        if first >= adapter.num_layers:
+            raise ConfigError(f"from_layer {first} ≥ the model's {adapter.num_layers} layers")
+        score = question_relevance(adapter, seq, first)
+        return RowSelection(~seq.cached | top_rows(score, seq, self.recompute_ratio))
