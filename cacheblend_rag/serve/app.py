@@ -206,7 +206,7 @@ class _Server:
         self.retriever = Retriever(config.home, config.chroma_host, config.chroma_port)
         self.scheduler = make_scheduler(engine, self.retriever, config.max_queue, config.max_batch)
         self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size, engine.kv_store.stats,
-                                     lambda: engine.grammars.num_compiled)
+                                     lambda: engine.grammars.num_compiled, engine.prefix_store.stats)
         self.created = int(time.time())
         self._mean_latency_s: float | None = None
         self.chars_per_token = max_token_chars(engine.tokenizer)  # bounds a prompt's tokens from its length
