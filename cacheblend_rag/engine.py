@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import unicodedata
+import weakref
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -158,6 +159,8 @@ class CacheBlendEngine:
         self.index = chunk_index  # finds stored chunks inside any prompt (generate_prompt, stream_prompt)
         self._controller: LoadingController | None = None
         self._lock = threading.RLock()  # one request at a time on the model: callers serialise
+        # the salted cache view of each started sequence, for keeping its KV when `advance` finishes it
+        self._sequence_caches: weakref.WeakKeyDictionary[KVSequence, ChunkCache] = weakref.WeakKeyDictionary()
         self.learner = PassageLearner(lambda text: self.ingest([text], show_progress=False))
 
     @classmethod
@@ -199,6 +202,11 @@ class CacheBlendEngine:
     def prefix_reuse(self) -> bool:
         """Whether finished requests are kept as stored prefixes and later requests start from them."""
         return bool(self.cache.prefix_block)
+
+    @property
+    def prefix_store(self) -> KVStore:
+        """Where stored prefixes (finished requests' KV) live: its `stats()` counts their bytes and entries."""
+        return self.cache.prefix_store
 
     @property
     def prefetch_depth(self) -> int:
@@ -379,11 +387,12 @@ class CacheBlendEngine:
         Holes (chunks not in the store) are computed in context, then stored after the logits unless
         `store_holes=False`, which leaves them in `Prefill.unstored_holes`.
         """
+        cache = self.cache.salted(request.cache_salt)
         with self._lock, torch.inference_mode():
             fusion = self._fusion_request(request)
             # counted here, once: a request that retries after a failed read places its chunks again
-            fusion = dataclasses.replace(fusion, opening_recurs=self.cache.opening_recurs(fusion.prefix_ids))
-            return fused_prefill(self.cache, request.policy, fusion, store_holes=store_holes,
+            fusion = dataclasses.replace(fusion, opening_recurs=cache.opening_recurs(fusion.prefix_ids))
+            return fused_prefill(cache, request.policy, fusion, store_holes=store_holes,
                                  auto_ratio=self._auto_ratio if request.auto_ratio else None)
 
     def _fusion_request(self, request: Request) -> FusionRequest:
@@ -480,7 +489,7 @@ class CacheBlendEngine:
         sampling = request.sampling
         with self._decodable(request) as pre:
             started = time.perf_counter()
-            new_ids = self._decode(pre, sampling)
+            new_ids = self._decode(pre, sampling, self.cache.salted(request.cache_salt))
             decode_s = time.perf_counter() - started
         text, _ = self._answer_text(new_ids.tolist(), sampling)
         stats = dataclasses.replace(pre.stats, num_generated=int(new_ids.numel()),
@@ -494,9 +503,10 @@ class CacheBlendEngine:
         if request.prompt is not None:
             self._prompt_text(request.prompt, request.tools)  # a chat prompt needs a chat template: fail here, not at next()
         sampling = request.sampling
+        cache = self.cache.salted(request.cache_salt)
 
         def decode_prefill(pre: Prefill, streamer, cancel) -> torch.Tensor:
-            new_ids = self._decode(pre, sampling, streamer, cancel)
+            new_ids = self._decode(pre, sampling, cache, streamer, cancel)
             if stats is not None:  # read once the stream is exhausted
                 stats["finish_reason"], stats["grammar_satisfied"] = self._finish(new_ids.tolist(), sampling)
             return new_ids
@@ -511,6 +521,7 @@ class CacheBlendEngine:
         with self._decodable(request) as pre:
             seq = self._kv_decoder.sequence(pre.token_ids, pre.keys, pre.values, request.sampling,
                                             first_logits=pre.logits)
+            self._sequence_caches[seq] = self.cache.salted(request.cache_salt)
         return seq, pre.stats
 
     def generate(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
@@ -557,7 +568,7 @@ class CacheBlendEngine:
             pieces = self._kv_decoder.advance(sequences)
             for seq in sequences:
                 if seq.finished:
-                    self._keep(seq)
+                    self._keep(seq, self._sequence_caches.pop(seq, self.cache))
             return pieces
 
     def _finish(self, new_ids: list[int], sampling: SamplingOptions) -> tuple[str, bool | None]:
@@ -589,27 +600,31 @@ class CacheBlendEngine:
                 return "".join(pieces), True
         return "".join(pieces) + stops.flush(), False
 
-    def _decode(self, pre: Prefill, sampling: SamplingOptions, streamer=None, cancel=None) -> torch.Tensor:
+    def _decode(self, pre: Prefill, sampling: SamplingOptions, cache: ChunkCache, streamer=None,
+                cancel=None) -> torch.Tensor:
         """New token ids after the prefill, with the chosen decoder: "kv" takes its first token from the prefill's
-        logits (no step recomputes the last prompt token); "hf", the reference, recomputes it as generate does."""
+        logits (no step recomputes the last prompt token); "hf", the reference, recomputes it as generate does.
+        The finished KV is kept in `cache` (the request's salted view)."""
         if self.decoder == "kv":
             return kv_decode(self.adapter, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer,
-                             cancel, first_logits=pre.logits, decoder=self._kv_decoder, on_done=self._keep)
+                             cancel, first_logits=pre.logits, decoder=self._kv_decoder,
+                             on_done=lambda seq: self._keep(seq, cache))
         new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
-        self._keep(pre)  # the reference decoder's cache is HF's: keep the prompt's rows only
+        self._keep(pre, cache)  # the reference decoder's cache is HF's: keep the prompt's rows only
         return new_ids
 
-    def _keep(self, done: KVSequence | Prefill) -> None:
-        """Keep a finished request's KV (a decoded sequence's filled rows, or a prefill's) as a stored prefix, so
-        the next turn of a conversation starts from it. Best effort: a failure is logged once, never raised."""
+    def _keep(self, done: KVSequence | Prefill, cache: ChunkCache) -> None:
+        """Keep a finished request's KV (a decoded sequence's filled rows, or a prefill's) as a stored prefix in
+        `cache` (the request's salted view), so the next turn of a conversation starts from it. Best effort: a
+        failure is logged once, never raised."""
         if not self.prefix_reuse:
             return
         try:
             with torch.inference_mode():
                 if isinstance(done, KVSequence):
-                    self.cache.store_prefix(*done.filled())
+                    cache.store_prefix(*done.filled())
                 else:
-                    self.cache.store_prefix(done.token_ids, done.keys, done.values)
+                    cache.store_prefix(done.token_ids, done.keys, done.values)
         except Exception as e:  # noqa: BLE001 - the answer is out; keeping its KV is an optimisation
             if not self._warned_keep:
                 logger.warning("could not keep the request's KV as a stored prefix (%s: %s); said once",
@@ -635,7 +650,7 @@ class CacheBlendEngine:
                 yield pre
             finally:
                 with torch.inference_mode():
-                    store_pending(self.cache, pre)
+                    store_pending(self.cache.salted(request.cache_salt), pre)
 
 
 def _warn_no_match(changed: list[str]) -> None:

@@ -37,6 +37,8 @@ class Request:
     conversation's earlier turns `history`), or a whole `prompt` (a string, tokenized as is, or chat messages,
     rendered with the model's chat template) in which the engine finds the stored chunks itself. `policy` fuses the
     chunks; `auto_ratio` lets the loading controller choose its recompute ratio; `sampling` says how to decode.
+    `cache_salt` keeps the request's cached KV apart: requests with different salts never reuse each other's stored
+    prefixes, segments or learned chunk KV (`ChunkCache.salted`); None shares with every unsalted request.
     """
 
     question: str | None = None
@@ -48,6 +50,7 @@ class Request:
     auto_ratio: bool = False
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     tools: tuple[dict, ...] | None = None  # OpenAI tool specs a chat prompt's template lists (its own tool format)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.question is None):
@@ -56,6 +59,8 @@ class Request:
             raise ConfigError(f"policy must be a Policy (make_policy builds one by name), got {self.policy!r}")
         if not isinstance(self.sampling, SamplingOptions):
             raise ConfigError(f"sampling must be SamplingOptions, got {type(self.sampling).__name__}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ConfigError(f"cache_salt must be a non-empty string (or None: shared), got {self.cache_salt!r}")
         if self.tools is not None:
             object.__setattr__(self, "tools", check_tools(self.tools, self.prompt))
         if self.prompt is not None:
@@ -76,16 +81,18 @@ class Request:
     def of(cls, chunks: str | Sequence[str | Chunk] = (), question: str | None = None,
            method: str | Policy = "cacheblend", recompute_ratio: float | str | None = None, *,
            prompt: Prompt | None = None, history: Sequence[dict] = (), template: PromptTemplate | None = None,
-           sampling: SamplingOptions | None = None, tools: Sequence[dict] | None = None, **options: Any) -> "Request":
+           sampling: SamplingOptions | None = None, tools: Sequence[dict] | None = None,
+           cache_salt: str | None = None, **options: Any) -> "Request":
         """A request from the keywords every surface takes: `max_new_tokens` (or `max_tokens`), `temperature`,
         `top_p`, `stop`, `seed`, `grammar` go to the sampling options (over `sampling=`), every other keyword is an
         option of `method`'s policy, built here once; `recompute_ratio="auto"` leaves the ratio to the engine;
-        `tools` (OpenAI tool specs) go to the chat template of a chat `prompt`."""
+        `tools` (OpenAI tool specs) go to the chat template of a chat `prompt`; `cache_salt` keeps its cache apart."""
         sampling, policy_options = SamplingOptions.split(options, sampling)
         auto = recompute_ratio == "auto"
         policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
         return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
-                   policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools))
+                   policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools),
+                   cache_salt=cache_salt)
 
 
 def call_keywords(call: Mapping[str, Any], *, method: str, recompute_ratio: float | str,

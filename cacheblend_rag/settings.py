@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+
+from .errors import ConfigError
 
 ENV_HOME = "CACHEBLEND_RAG_HOME"
 
@@ -57,11 +60,15 @@ def musique_dataset() -> Path | None:
 ENV_API_KEY = "CACHEBLEND_RAG_API_KEY"
 
 
-def api_key(override: str | None = None) -> str | None:
-    """The key `cacheblend-rag serve` requires (`--api-key`, else $CACHEBLEND_RAG_API_KEY); None: no auth."""
-    if override is not None:
-        return override
-    return os.environ.get(ENV_API_KEY) or None
+def api_keys(overrides: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The keys `cacheblend-rag serve` accepts (each `--api-key`, else $CACHEBLEND_RAG_API_KEY; either may list
+    several, comma-separated), in order, without repeats; (): no auth."""
+    given = list(overrides) if overrides else [os.environ[ENV_API_KEY]] if os.environ.get(ENV_API_KEY) else []
+    keys = [key.strip() for value in given for key in value.split(",")]
+    if not all(keys):  # `--api-key "$KEY"` with KEY unset must not turn auth off
+        raise ConfigError("an API key is empty (an unset variable in --api-key \"$KEY\"? two commas?); pass "
+                          "non-empty keys (--api-key KEY, repeated or comma-separated), or none for no auth")
+    return tuple(dict.fromkeys(keys))
 
 
 ENV_CHROMA_TOKEN = "CACHEBLEND_RAG_CHROMA_TOKEN"

@@ -14,6 +14,8 @@ from cacheblend_rag.fuse.chunk_cache import PREFIX_BLOCK
 from cacheblend_rag.fuse.loop import run_layers
 from cacheblend_rag.fuse.policy import RowSelection
 from cacheblend_rag.fuse.sequence import Placement
+from cacheblend_rag.ingest.chunks import chunk_id
+from cacheblend_rag.request import Request
 from cacheblend_rag.store import MemoryStore
 
 from conftest import tiny_model
@@ -258,3 +260,28 @@ def test_the_cache_remembers_a_bounded_number_of_its_own_prefixes(tokenizer, mon
     assert len(engine.cache._prefix_entries) == 3
     last = "Question 5: " + PROMPT
     assert engine.prefill_prompt(last + " More.").stats["num_prefix_rows"] > 0  # the newest is still found
+
+
+def test_requests_with_different_cache_salts_share_no_prefix_segment_or_learned_chunk(tokenizer):
+    engine = _tiny_engine(tokenizer)
+    documents = [TEXTS[0], "A chunk no operator ingested: the client sent it, so its KV is learned from the request."]
+
+    def ask(salt: str | None):
+        return engine.generate_request(Request.of(documents, "Where does the Lune reach the sea?",
+                                                  max_new_tokens=4, cache_salt=salt))
+
+    first = ask("alice")
+    assert first.stats["chunk_hits"] == [chunk_id(TEXTS[0])]  # the operator's chunk is shared with any salt
+    assert first.stats["num_prefix_rows"] == 0
+    again = ask("alice")  # the same salt: the stored prefix and the learned chunk are found
+    assert again.stats["num_prefix_rows"] > 0 and again.stats["chunk_misses"] == []
+    other = ask("bob")  # another salt: neither is found; it reports what the very first request did
+    assert other.stats["num_prefix_rows"] == 0
+    assert {k: other.stats[k] for k in ("num_exact_cached", "num_reused", "num_hole_tokens")} == \
+        {k: first.stats[k] for k in ("num_exact_cached", "num_reused", "num_hole_tokens")}
+    assert other.stats["chunk_hits"] == [chunk_id(TEXTS[0])] and other.stats["chunk_misses"] == [chunk_id(documents[1])]
+    unsalted = ask(None)  # unsalted requests share among themselves only
+    assert unsalted.stats["num_prefix_rows"] == 0 and unsalted.stats["chunk_misses"] == [chunk_id(documents[1])]
+    assert ask(None).stats["num_prefix_rows"] > 0
+    with pytest.raises(ConfigError, match="cache_salt"):
+        Request.of(prompt="hi", cache_salt="")

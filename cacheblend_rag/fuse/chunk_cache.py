@@ -16,14 +16,23 @@ A request's block hashes find the longest stored prefix in O(blocks): first thro
 h_i of an entry it stored → that entry), else by probing the store for "pfx-<h_i>" from the longest down (entries
 another process put in a shared tier). The stored token ids are compared before the KV is used, so a hash
 collision or a stale index entry is a miss; so is an evicted or corrupt entry.
+
+A cache salt (a request's `cache_salt`, a server's per-API-key namespace) keeps clients apart, as vLLM's salt does
+for its prefix cache: `ChunkCache.salted(salt)` is a view of the same cache whose stored prefixes (the salt seeds
+the hash chain), exact segments, chunk KV learned from requests (holes, chunks behind a prompt's own opening,
+Cache-Craft variants) and opening counts are all named under the salt, so requests with different salts never
+find each other's. Chunk KV behind the lead-in that the operator ingested is content-addressed and shared: a salted
+view reads it after its own (a hit says only that the document was ingested), but never writes there.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from typing import TYPE_CHECKING
 
@@ -49,6 +58,15 @@ _MAX_OPENINGS = 64  # openings other than the lead-in counted (an app has a few 
 # entries this process stored that it remembers as its own (a store evicts without telling this cache, so without
 # a bound a long-running server would keep one name per request it ever answered)
 _MAX_OWN_PREFIXES = 1 << 16
+
+
+@dataclass
+class _WriteHealth:
+    """Whether the store last failed a write, and whether an oversized prefix was reported: one record shared by a
+    cache and its salted views, so a failing store is still reported once per process."""
+
+    write_failed: bool = False
+    warned_prefix_size: bool = False
 
 
 def _ids_bytes(token_ids: Sequence[int]) -> bytes:
@@ -89,37 +107,60 @@ class ChunkCache:
         self.store = store
         self.variants = variants  # chunk KV computed after other chunks (Cache-Craft): the engine's, handed to policies
         self.fingerprint = fingerprint
+        self.salt = ""  # "" unsalted (shared); a salted view's own salt (`salted`)
         self.lead_in_ids = list(lead_in_ids)
         self.namespace = self.namespace_for(self.lead_in_ids)
         self.prefetch_depth = prefetch_depth
-        self._write_failed = False  # a failing store is reported once, then serving goes on without it
+        self._health = _WriteHealth()  # a failing store is reported once, then serving goes on without it
         self.prefix_block = prefix_block  # tokens per block of stored prefixes; 0: no prefix is stored or looked up
         self.prefix_store = store if prefix_store is None else prefix_store  # where stored prefixes live
         self._prefix_index: OrderedDict[str, str] = OrderedDict()  # block hash → name of an entry holding it
         self._prefix_entries: OrderedDict[str, int] = OrderedDict()  # entries this process stored → their blocks
-        self._warned_prefix_size = False  # a prefix larger than its store's budget is reported once
         # Openings of prompts other than the lead-in (a plain string to a chat model, a chat with its own system
-        # message), counted: one seen again gets its chunks' KV (or its first chunk's) computed behind it
-        self._openings: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        # message), counted by (salt, opening): one seen again gets its chunks' KV (or its first chunk's) computed
+        # behind it. Counted per salt: another client's opening must not change what this one's request stores
+        self._openings: OrderedDict[tuple[str, tuple[int, ...]], int] = OrderedDict()
         # chunk id → the tokens its KV is computed behind after the lead-in or an opening (`ingest(behind=...)`)
         self._neighbors: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
-    def namespace_for(self, lead_in_ids: Sequence[int]) -> str:
-        """Fingerprint of model, tokenizer and lead-in: every KV it names was computed under all three."""
+    def salted(self, salt: str | None) -> "ChunkCache":
+        """This cache as requests with `salt` see it: the same stores and indexes, every entry a request stores or
+        reads of its own named under the salt (the module's docstring); itself for no salt."""
+        if not salt:
+            return self
+        view = copy.copy(self)  # shallow: the stores, indexes, counters and write health stay shared
+        view.salt = salt
+        view.namespace = view.namespace_for(view.lead_in_ids)
+        return view
+
+    def namespace_for(self, lead_in_ids: Sequence[int], salt: str | None = None) -> str:
+        """Fingerprint of model, tokenizer, lead-in and salt (default: this cache's): every KV it names was
+        computed under all three, for requests with that salt."""
+        salt = self.salt if salt is None else salt
         h = hashlib.sha256(self.fingerprint.encode())
         h.update(_ids_bytes(lead_in_ids))
+        if salt:  # unsalted names stay as they were: what is stored already is still found
+            h.update(b"\0salt\0" + salt.encode())
         return h.hexdigest()[:24]
 
     def key(self, chunk_id: str, lead_in_ids: Sequence[int] | None = None) -> KVKey:
-        """The store key of a chunk's KV behind a lead-in (default: this cache's)."""
+        """The store key of a chunk's KV behind a lead-in (default: this cache's), under this cache's salt."""
         ns = self.namespace if lead_in_ids is None else self.namespace_for(lead_in_ids)
         return KVKey(ns, chunk_id)
 
     # ---- lookups ------------------------------------------------------------------------
 
     def reader(self, chunk: Chunk, lead_in_ids: Sequence[int] | None = None) -> LayerReader | None:
-        """A reader of the chunk's stored KV whose token ids match the chunk's (a part's rows only), or None."""
-        return part_of(self.store.reader(self.key(chunk.chunk_id, lead_in_ids)), chunk)
+        """A reader of the chunk's stored KV whose token ids match the chunk's (a part's rows only), or None.
+
+        A salted view reads its own entry first, then, behind the lead-in, the shared one the operator ingested;
+        behind any other lead-in (a prompt's own opening, learned from requests) only its own."""
+        own = part_of(self.store.reader(self.key(chunk.chunk_id, lead_in_ids)), chunk)
+        shared_lead_in = lead_in_ids is None or list(lead_in_ids) == self.lead_in_ids
+        if own is not None or not self.salt or not shared_lead_in:
+            return own
+        return part_of(self.store.reader(KVKey(self.namespace_for(self.lead_in_ids, salt=""), chunk.chunk_id)),
+                       chunk)
 
     def has_kv(self, chunk_id: str) -> bool:
         """Whether the chunk's KV (behind the lead-in) is stored and its header checks out."""
@@ -134,9 +175,9 @@ class ChunkCache:
     def opening_recurs(self, opening: Sequence[int]) -> bool:
         """Count an opening other than the lead-in; whether it was seen before (an app's own prompt template, not a
         one-off), so its chunks' KV is worth computing behind it. The lead-in and an empty opening are not counted."""
-        key = tuple(opening)
-        if not key or list(key) == self.lead_in_ids:
+        if not opening or list(opening) == self.lead_in_ids:
             return False
+        key = (self.salt, tuple(opening))
         seen = self._openings.pop(key, 0) + 1
         self._openings[key] = seen
         while len(self._openings) > _MAX_OPENINGS:
@@ -191,6 +232,7 @@ class ChunkCache:
         )
 
     def _segment_key(self, token_ids: Sequence[int]) -> KVKey:
+        # the salt is in the namespace: a client's system prompt cached for one salt is a miss for another
         return KVKey(self.namespace_for([]), "seg-" + hashlib.sha256(_ids_bytes(token_ids)).hexdigest()[:32])
 
     def has_segment(self, token_ids: Sequence[int]) -> bool:
@@ -210,10 +252,11 @@ class ChunkCache:
     # ---- stored prefixes ----------------------------------------------------------------
 
     def block_hashes(self, token_ids: Sequence[int] | torch.Tensor) -> list[str]:
-        """The hash chain of the whole blocks of `token_ids` from position 0: h_i = H(h_{i-1}, block i)."""
+        """The hash chain of the whole blocks of `token_ids` from position 0: h_i = H(h_{i-1}, block i), seeded
+        with the salt (h_0 = H(salt), as vLLM salts its first block) so that no two salts share an index entry."""
         b = self.prefix_block
         ids = torch.as_tensor(token_ids, dtype=torch.int64).cpu().numpy()
-        out, h = [], b""
+        out, h = [], (hashlib.sha256(b"salt\0" + self.salt.encode()).digest() if self.salt else b"")
         for i in range(len(ids) // b if b else 0):
             h = hashlib.sha256(h + ids[i * b:(i + 1) * b].tobytes()).digest()
             out.append(h.hex()[:32])
@@ -285,13 +328,14 @@ class ChunkCache:
             token_ids=token_ids[:rows].cpu().clone(),
         )
         self._put(self._prefix_key(hashes[-1]), kv, best_effort=True, store=self.prefix_store)
-        if self._write_failed or not self.prefix_store.contains(self._prefix_key(hashes[-1])):
+        if self._health.write_failed or not self.prefix_store.contains(self._prefix_key(hashes[-1])):
             budget = self.prefix_store.stats().get("max_bytes")
-            if not self._write_failed and not self._warned_prefix_size and budget is not None and kv.nbytes > budget:
+            health = self._health
+            if not health.write_failed and not health.warned_prefix_size and budget is not None and kv.nbytes > budget:
                 logger.warning("a stored prefix of %d tokens (%.1f MiB) is larger than the prefix store's budget "
                                "(%.1f MiB), so it was not kept and the next turn recomputes it; give the engine a "
                                "larger prefix_store (said once)", rows, kv.nbytes / 2**20, budget / 2**20)
-                self._warned_prefix_size = True
+                self._health.warned_prefix_size = True
             return 0  # not kept (a failing store; an entry larger than the budget): the older entries stay
         for h in hashes[:-1]:  # a shorter entry of the same chain: the new one holds it (the index moves below)
             if self._prefix_entries.pop("pfx-" + h, None) is not None:
@@ -343,9 +387,9 @@ class ChunkCache:
         except (KVWriteError, OSError) as e:
             if not best_effort:
                 raise
-            if not self._write_failed:
+            if not self._health.write_failed:
                 logger.warning("the KV store cannot keep new entries (%s); requests go on, recomputing what "
                                "it misses (said once)", e)
-            self._write_failed = True
+            self._health.write_failed = True
         else:
-            self._write_failed = False
+            self._health.write_failed = False

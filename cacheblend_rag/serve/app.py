@@ -39,7 +39,7 @@ from ..errors import (
 from ..tool_format import GENERIC, ToolFormat
 from .limits import RequestGuard, check_fits, max_token_chars
 from .metrics import ServerMetrics
-from .runner import EngineCall, Retriever, admit_documents, make_scheduler, prompt_tokens
+from .runner import EngineCall, Retriever, admit_documents, make_scheduler, prompt_tokens, request_salt
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
 from .scheduler import Cancelled, Done, Failed, Job, Piece, QueueFull, RequestTimeout
 from .tooling import CallStream, ChatPlan, answer_message, plan_chat
@@ -54,7 +54,9 @@ class ServeConfig:
     """Settings of one server."""
 
     model_name: str  # the name clients send as `model`
-    api_key: str | None = None  # when set, every route but /health needs `Authorization: Bearer <key>`
+    # when set, every route but /health needs `Authorization: Bearer <one of them>`; each key is a cache namespace
+    # of its own (its requests' salt), so clients with different keys never share cached prompts
+    api_keys: tuple[str, ...] = ()
     max_queue: int = 16  # requests that may wait for the engine; one more gets 429
     timeout_s: float = 300.0  # per request, from arrival to the last token
     default_max_tokens: int = 256  # when a request sets no max_tokens
@@ -82,8 +84,8 @@ class ServeConfig:
             raise ConfigError(f"max_batch must be ≥ 1, got {self.max_batch}")
         if self.default_max_tokens < 1:
             raise ConfigError(f"default_max_tokens must be ≥ 1, got {self.default_max_tokens}")
-        if self.api_key is not None and not self.api_key:
-            raise ConfigError("the API key must not be empty")
+        if not isinstance(self.api_keys, tuple) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ConfigError(f"api_keys must be a tuple of non-empty keys, got {self.api_keys!r}")
         if self.max_body_bytes < 1024:
             raise ConfigError(f"max_body_bytes must be ≥ 1024, got {self.max_body_bytes}")
         if self.max_documents < 1:
@@ -204,7 +206,7 @@ class _Server:
         self.retriever = Retriever(config.home, config.chroma_host, config.chroma_port)
         self.scheduler = make_scheduler(engine, self.retriever, config.max_queue, config.max_batch)
         self.metrics = ServerMetrics(self.scheduler.depth, self.scheduler.batch_size, engine.kv_store.stats,
-                                     lambda: engine.grammars.num_compiled)
+                                     lambda: engine.grammars.num_compiled, engine.prefix_store.stats)
         self.created = int(time.time())
         self._mean_latency_s: float | None = None
         self.chars_per_token = max_token_chars(engine.tokenizer)  # bounds a prompt's tokens from its length
@@ -220,7 +222,7 @@ class _Server:
                            f"{self.config.model_name!r} (GET /v1/models)", code="model_not_found")
 
     def _call(self, body: _Generation, question: str, system: str | None, default_max_tokens: int,
-              messages: tuple[dict, ...] = (), grammar=None) -> EngineCall:
+              cache_salt: str | None, messages: tuple[dict, ...] = (), grammar=None) -> EngineCall:
         documents: list[str] = []
         for doc in body.documents or []:
             documents.append(doc if isinstance(doc, str) else (doc.text if doc.text is not None else doc.id or ""))
@@ -236,11 +238,13 @@ class _Server:
             auto_ratio=opts.auto_ratio,
             sampling=SamplingOptions(body.new_tokens(default_max_tokens), body.temperature, body.top_p,
                                      tuple(body.stop or ()), body.seed, grammar),
+            cache_salt=cache_salt,
         )
 
-    def chat_call(self, body: ChatCompletionRequest) -> tuple[EngineCall, ChatPlan]:
+    def chat_call(self, body: ChatCompletionRequest, cache_salt: str | None) -> tuple[EngineCall, ChatPlan]:
         """Chat messages → engine call: the last user message is the question, system messages (and the tools' or
-        schema's instructions) the system text; the plan says which tools an answer may call."""
+        schema's instructions) the system text; the plan says which tools an answer may call. `cache_salt`: the
+        request's (`request_salt`)."""
         try:
             system = "\n\n".join(m.text() for m in body.messages if m.role in ("system", "developer")) or None
             users = [m for m in body.messages if m.role == "user"]
@@ -255,15 +259,15 @@ class _Server:
             raise APIError(400, str(e), code="invalid_value") from e
         if plan.system_text:
             system = f"{system}\n\n{plan.system_text}" if system else plan.system_text
-        call = self._call(body, question, system, self.config.default_max_tokens, tuple(plan.messages),
+        call = self._call(body, question, system, self.config.default_max_tokens, cache_salt, tuple(plan.messages),
                           plan.grammar)
         if plan.tools is not None:
             call = replace(call, tools=tuple(plan.tools))
         return call, plan
 
-    def completion_call(self, body: CompletionRequest) -> EngineCall:
-        """A completion prompt → engine call (the prompt is the question)."""
-        return self._call(body, body.prompt_text(), None, self.config.default_max_tokens)
+    def completion_call(self, body: CompletionRequest, cache_salt: str | None) -> EngineCall:
+        """A completion prompt → engine call (the prompt is the question); `cache_salt`: the request's."""
+        return self._call(body, body.prompt_text(), None, self.config.default_max_tokens, cache_salt)
 
     def _admitted(self, call: EngineCall) -> EngineCall:
         """The call, checked for size and its documents tokenized: what cannot fit is refused here, before its
@@ -369,7 +373,7 @@ class _Server:
                     raise api_error(e) from e
             text = "".join(texts).strip()
             if plan is not None and plan.answered and plan.repeats(self._calls(text, plan)):
-                body, (call, plan) = self._answer_instead(body, plan)
+                body, (call, plan) = self._answer_instead(body, plan, call.cache_salt)
                 return await self.respond(request, body, call, chat, plan)
             usage = self._finished(job, event.stats, ttft_s)
             choice: dict = {"index": 0, "finish_reason": event.finish_reason, "logprobs": None}
@@ -389,13 +393,13 @@ class _Server:
         """The calls an answer's text makes under `plan`."""
         return generic_tools.parse_tool_calls(text, plan.functions, plan.format)[1] if plan.functions else []
 
-    def _answer_instead(self, body: ChatCompletionRequest, plan: ChatPlan) -> tuple[ChatCompletionRequest,
-                                                                                  tuple[EngineCall, ChatPlan]]:
+    def _answer_instead(self, body: ChatCompletionRequest, plan: ChatPlan, cache_salt: str | None,
+                        ) -> tuple[ChatCompletionRequest, tuple[EngineCall, ChatPlan]]:
         """The request again under tool_choice "none", for an "auto" answer that only repeated answered calls."""
         logger.info("tool_choice 'auto': the answer repeats calls whose results the chat holds; answering under "
                     "'none' instead")
         body = body.model_copy(update={"tool_choice": "none"})
-        return body, self.chat_call(body)
+        return body, self.chat_call(body, cache_salt)
 
     async def _stream(self, job: Job, first: Piece | Done, body: _Generation, chat: bool, rid: str,
                       ttft_s: float, plan: ChatPlan | None = None) -> AsyncIterator[str]:
@@ -448,7 +452,7 @@ class _Server:
                     if calls is not None:
                         held += calls.finish()
                         if guarded and plan.repeats(self._calls(text, plan)):
-                            body, (call, plan) = self._answer_instead(body, plan)
+                            body, (call, plan) = self._answer_instead(body, plan, job.call.cache_salt)
                             job.cancel()
                             try:
                                 job = self._submit(await self.admit(call))
@@ -496,7 +500,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         server.scheduler.start()
         logger.info("serving %r (queue %d, timeout %.0f s, auth %s)", config.model_name, config.max_queue,
-                    config.timeout_s, "on" if config.api_key else "off")
+                    config.timeout_s, f"{len(config.api_keys)} key(s)" if config.api_keys else "off")
         try:
             yield
         finally:  # uvicorn has finished the in-flight requests by now
@@ -547,19 +551,20 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         server._check_model(body)
-        call, plan = server.chat_call(body)
+        call, plan = server.chat_call(body, request_salt(request.state.key_namespace, body.cache_salt))
         return await server.respond(request, body, call, chat=True, plan=plan)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         server._check_model(body)
-        return await server.respond(request, body, server.completion_call(body), chat=False)
+        call = server.completion_call(body, request_salt(request.state.key_namespace, body.cache_salt))
+        return await server.respond(request, body, call, chat=False)
 
     def refuse(status: int, message: str, code: str, headers: dict[str, str]) -> JSONResponse:
         return APIError(status, message, code=code, headers=headers).response()
 
     # the guard checks the key and reads the body before any route (or FastAPI's JSON parsing) runs
-    app.add_middleware(RequestGuard, api_key=config.api_key, open_paths=frozenset({"/health"}),
+    app.add_middleware(RequestGuard, api_keys=config.api_keys, open_paths=frozenset({"/health"}),
                        max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s, refuse=refuse)
     routes = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
     app.add_middleware(_CountRequests, metrics=server.metrics, routes=routes)  # added last: outermost, counts all

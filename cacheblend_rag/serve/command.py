@@ -24,7 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The serve options."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port, 1 to 65535 (default 8000)")
-    p.add_argument("--api-key", help=f"require `Authorization: Bearer KEY` on every route but /health "
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help=f"require `Authorization: Bearer KEY` on every route but /health; repeat it or separate keys "
+                   f"with commas for several clients, each with a cache namespace of its own "
                    f"(default ${settings.ENV_API_KEY}; unset: no auth)")
     p.add_argument("--home", help=f"package home (models, KV store, Chroma); overrides ${settings.ENV_HOME}")
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"packaged model alias, local model folder or Hugging "
@@ -121,14 +123,14 @@ def run_cli(args: argparse.Namespace) -> int:
     from ..store import open_store
 
     config = ServeConfig(model_name=served_name(args.model, args.served_model_name),
-                         api_key=settings.api_key(args.api_key), max_queue=args.max_queue, timeout_s=args.timeout,
+                         api_keys=settings.api_keys(args.api_key), max_queue=args.max_queue, timeout_s=args.timeout,
                          default_max_tokens=args.max_tokens, max_batch=args.max_batch, home=args.home,
                          chroma_host=args.chroma_host, chroma_port=args.chroma_port,
                          max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
                          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                          max_grammar_bytes=args.max_grammar_bytes, grammar_timeout_s=args.grammar_timeout,
                          hide_cache_usage=args.hide_cache_usage)
-    if not _is_loopback(args.host) and config.api_key is None:
+    if not _is_loopback(args.host) and not config.api_keys:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", args.host)
     # --kv-store tiers (cli.py adds the option), else memory over the disk under --home; built before the model
     # loads, so a bad spec fails fast. Replicas share KV by naming the same Redis tier.

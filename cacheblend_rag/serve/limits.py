@@ -12,6 +12,7 @@ is never read.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -39,13 +40,25 @@ class _ClientGone(Exception):
     pass
 
 
-def authorized(headers: Iterable[tuple[bytes, bytes]], api_key: str) -> bool:
-    """Whether the raw headers carry `Authorization: Bearer <api_key>` (compared in constant time)."""
+def matching_key(headers: Iterable[tuple[bytes, bytes]], api_keys: Iterable[str]) -> str | None:
+    """The key of `api_keys` the raw headers carry as `Authorization: Bearer <key>`, or None: each key compared in
+    constant time, and all of them, so the time says nothing about which one (or how many) came close."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
-            return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
-    return False
+            sent = token.strip().encode()
+            found = None
+            for key in api_keys:
+                if hmac.compare_digest(sent, key.encode()):
+                    found = key
+            return found if scheme.lower() == "bearer" else None
+    return None
+
+
+def key_namespace(api_key: str) -> str:
+    """The cache namespace of an API key's requests: a digest of the key (the same on every replica, and not the
+    key itself, which is never stored in a cache entry's name)."""
+    return hashlib.sha256(b"cacheblend-rag api key\0" + api_key.encode()).hexdigest()[:32]
 
 
 def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
@@ -86,11 +99,12 @@ async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
 class RequestGuard:
     """ASGI middleware in front of the routes: the API key is checked from the headers (401 without reading the
     body), then the body is read whole, at most `max_body_bytes` (413) and within `body_timeout_s` (408), and
-    handed to the app. `open_paths` need no key."""
+    handed to the app. `open_paths` need no key. The routes read the key's cache namespace as
+    `request.state.key_namespace` (None without keys, or on an open path)."""
 
-    def __init__(self, app, *, api_key: str | None, open_paths: frozenset[str], max_body_bytes: int,
+    def __init__(self, app, *, api_keys: tuple[str, ...], open_paths: frozenset[str], max_body_bytes: int,
                  body_timeout_s: float, refuse: Refusal) -> None:
-        self.app, self.api_key, self.open_paths = app, api_key, open_paths
+        self.app, self.api_keys, self.open_paths = app, api_keys, open_paths
         self.max_body_bytes, self.body_timeout_s, self.refuse = max_body_bytes, body_timeout_s, refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -98,10 +112,13 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         headers = scope["headers"]
         close = {"Connection": "close"}  # the body is left unread: the connection cannot carry another request
-        if self.api_key is not None and scope["path"] not in self.open_paths and not authorized(headers, self.api_key):
+        key = matching_key(headers, self.api_keys) if self.api_keys and scope["path"] not in self.open_paths else None
+        if self.api_keys and scope["path"] not in self.open_paths and key is None:
             response = self.refuse(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
                                    "invalid_api_key", {**close, "WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
+        # the request's own state (Starlette's `request.state`): set for every request, so a route never probes it
+        scope.setdefault("state", {})["key_namespace"] = key_namespace(key) if key is not None else None
         declared = _content_length(headers)
         if declared is not None and declared > self.max_body_bytes:
             return await self._too_large(scope, receive, send)

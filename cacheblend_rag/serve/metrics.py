@@ -64,6 +64,33 @@ class StoreCollector(Collector):
         return iter(())
 
 
+class OccupancyCollector(Collector):
+    """What a store holds now, bytes and entries per tier, read from its `stats()` at every scrape: gauges named
+    `<prefix>_bytes` and `<prefix>_entries` (a tier that does not count them has no sample)."""
+
+    def __init__(self, prefix: str, what: str, store_stats: Callable[[], dict]) -> None:
+        self.prefix, self.what, self.store_stats = prefix, what, store_stats
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample per tier and gauge the tier reports."""
+        try:
+            tiers = tier_stats(self.store_stats())
+        except Exception:  # noqa: BLE001 - a scrape must answer even if a store's stats fail
+            logger.exception("could not read the stats of %s", self.what)
+            return
+        for field, doc in (("bytes", f"Bytes {self.what} holds now, by tier"),
+                           ("entries", f"Entries {self.what} holds now, by tier")):
+            family = GaugeMetricFamily(f"{self.prefix}_{field}", doc, labels=["tier"])
+            for tier, counts in tiers.items():
+                if isinstance(counts.get(field), int):
+                    family.add_metric([tier], counts[field])
+            yield family
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the tiers are known only at scrape time."""
+        return iter(())
+
+
 class CountCollector(Collector):
     """One counter read from a callback at every scrape (a count kept by the engine, not by the server)."""
 
@@ -86,7 +113,8 @@ class ServerMetrics:
 
     def __init__(self, queue_depth: Callable[[], int], batch_size: Callable[[], int],
                  store_stats: Callable[[], dict] | None = None,
-                 grammar_compilations: Callable[[], int] | None = None) -> None:
+                 grammar_compilations: Callable[[], int] | None = None,
+                 prefix_store_stats: Callable[[], dict] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("cacheblend_requests", "Requests answered, by route and HTTP status",
@@ -113,6 +141,8 @@ class ServerMetrics:
         self.batch_size.set_function(batch_size)
         if store_stats is not None:
             r.register(StoreCollector(store_stats))
+        if prefix_store_stats is not None:  # finished requests' KV kept for the next turn (engine.prefix_store)
+            r.register(OccupancyCollector("cacheblend_prefix_store", "the stored-prefix store", prefix_store_stats))
         if grammar_compilations is not None:
             r.register(CountCollector("cacheblend_grammar_compilations",
                                       "Grammars (schemas, tools) compiled; a grammar seen again is not compiled again",

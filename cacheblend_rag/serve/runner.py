@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -44,6 +45,7 @@ class EngineCall:
     policy: Policy = field(default_factory=CacheBlend)  # built once from the body's `cacheblend` field
     auto_ratio: bool = False  # recompute_ratio "auto": the loading controller chooses it
     tools: tuple[dict, ...] | None = None  # listed by the chat template (its own tool format; no documents)
+    cache_salt: str | None = None  # the engine request's (`request_salt`): None shares with every unsalted call
 
 
 class Retriever:
@@ -69,6 +71,14 @@ class Retriever:
                                               f"`cacheblend-rag ingest PATH --collection {collection}`") from None
             self._stores[collection] = store
         return [hit.text for hit in store.query(question, k)]
+
+
+def request_salt(key_namespace: str | None, cache_salt: str | None) -> str | None:
+    """The engine's cache salt for a request: its API key's namespace combined with (not replaced by) the
+    `cache_salt` it sent, unambiguously (no client salt can name another key's namespace); None for neither."""
+    if key_namespace is None and cache_salt is None:
+        return None
+    return json.dumps([key_namespace, cache_salt], ensure_ascii=False)
 
 
 def admit_documents(engine, call: EngineCall) -> EngineCall:
@@ -113,7 +123,7 @@ def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Reque
     if not call.documents and call.retrieval is None:
         prompt = call.messages if call.messages else call.question
         return Request.of(prompt=prompt, method=call.policy, recompute_ratio=_ratio(call), sampling=call.sampling,
-                          tools=call.tools)
+                          tools=call.tools, cache_salt=call.cache_salt)
     chunks = list(call.documents)
     if call.retrieval is not None:
         collection, k = call.retrieval
@@ -123,7 +133,7 @@ def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Reque
     template = PromptTemplate(system=call.system) if call.system else None
     question, history = conversation(call)
     return Request.of(tuple(chunks), question, method=call.policy, recompute_ratio=_ratio(call), history=history,
-                      template=template, sampling=call.sampling)
+                      template=template, sampling=call.sampling, cache_salt=call.cache_salt)
 
 
 def _ratio(call: EngineCall) -> str | None:

@@ -23,6 +23,7 @@ from ..fuse.policy import Policy
 from ..ingest.chunks import looks_like_chunk_id
 
 MAX_STOP = 4  # as OpenAI
+MAX_CACHE_SALT = 1024  # characters of a request's cache_salt (a secret or an id, not a document)
 MAX_JSON_DEPTH = 64  # nesting (objects and arrays) of a tool's or response_format's schema, and of call arguments
 SCHEMA_INT_BOUND = 2**63  # a schema's integers (bounds, consts, enums): the grammar engine's are signed 64-bit
 # Chroma's own rule for collection names: 3-512 of [A-Za-z0-9._-], alphanumeric at both ends, no "..", not an IP
@@ -190,6 +191,10 @@ class _Generation(_Body):
     """Retrieve passages from the server's Chroma collection."""
     cacheblend: CacheBlendOptions = Field(default_factory=CacheBlendOptions)
     """The fusion method and its options."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT)
+    """As vLLM's: requests with different salts never reuse each other's cached prompts (stored prefixes,
+    segments, documents they sent), so none can tell from its usage or timing what another sent; within the API
+    key's own namespace, with which it combines."""
 
     @field_validator("n")
     @classmethod
