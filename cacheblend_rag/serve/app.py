@@ -285,13 +285,17 @@ class _Server:
                                      f"window of {context_window} tokens; send a shorter prompt, schema or tools")
         return call
 
-    async def _compile(self, grammar: Grammar) -> None:
-        """Compile the call's grammar on the grammar threads within the size and time limits: a 400 otherwise."""
+    def _check_grammar_size(self, grammar: Grammar) -> None:
+        """A 400 for a grammar over --max-grammar-bytes: checked first, before its text is tokenized (a schema bomb's
+        tokenizing alone took the CPU from every other request: `bench faults --fault-scenarios schema_bomb`)."""
         size = len(grammar.source.encode())
         if size > self.config.max_grammar_bytes:
             raise APIError(400, f"the request's {grammar.kind} grammar (its schema or tools) has {size} bytes, more "
                            f"than this server's limit of {self.config.max_grammar_bytes} (--max-grammar-bytes)",
                            code="grammar_too_large")
+
+    async def _compile(self, grammar: Grammar) -> None:
+        """Compile the call's grammar on the grammar threads within the time limit: a 400 otherwise."""
         compiled = asyncio.wrap_future(self.grammar_pool.submit(self.engine.grammars.compile, grammar))
         try:
             await asyncio.wait_for(compiled, self.config.grammar_timeout_s)
@@ -305,6 +309,8 @@ class _Server:
     async def admit(self, call: EngineCall) -> EngineCall:
         """`_admitted` on a thread of its own (neither the event loop nor the engine's worker tokenizes), then its
         grammar compiled (GrammarError, a 400, for one that does not compile or fails at its first token)."""
+        if call.sampling.grammar is not None:
+            self._check_grammar_size(call.sampling.grammar)
         call = await asyncio.to_thread(self._admitted, call)
         if call.sampling.grammar is not None:
             await self._compile(call.sampling.grammar)
