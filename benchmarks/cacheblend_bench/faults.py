@@ -742,7 +742,7 @@ def stop_in_json(server: Replica, model: str) -> dict:
     """A stop string that occurs inside the only answer a json_schema allows: does the answer parse, and why it
     finished, per stop string."""
     schema = {"type": "object", "properties": {"word": {"enum": ["bee, wasp"]}}, "required": ["word"]}
-    result: dict = {}
+    cases = []
     for stop in (",", '"}'):
         status, body = _chat(server.url, model, max_tokens=24, content="A word?", stop=[stop],
                              response_format=_schema_format(schema))
@@ -752,9 +752,9 @@ def stop_in_json(server: Replica, model: str) -> dict:
             parsed = json.loads(content) == {"word": "bee, wasp"}
         except ValueError:
             parsed = False
-        result[stop] = {"status": status, "parses": parsed, "finish_reason": choice.get("finish_reason"),
-                        "content": content[:60]}
-    return result
+        cases.append({"stop": stop, "status": status, "parses": parsed,
+                      "finish_reason": choice.get("finish_reason"), "content": content[:60]})
+    return {"cases": cases}
 
 
 def run_grammar(scenarios, *, model: str, home: str | None, workdir: Path) -> list[dict]:
@@ -798,9 +798,8 @@ def format_grammar(results: list[dict]) -> str:
                 lines.append(f"| grammar_fails | {case} | {row['status']} | answered in {row['seconds']:.3f} s: "
                              f"{row['message']} |")
         else:
-            for stop in (",", '"}'):
-                row = r[stop]
-                lines.append(f"| stop_in_json | stop=`{stop}` | {row['status']} | parses as JSON: "
+            for row in r["cases"]:
+                lines.append(f"| stop_in_json | stop=`{row['stop']}` | {row['status']} | parses as JSON: "
                              f"{'yes' if row['parses'] else 'no'}, finish_reason={row['finish_reason']} |")
     return "\n".join(lines)
 
