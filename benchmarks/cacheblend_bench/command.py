@@ -221,7 +221,8 @@ STUDIES: dict[str, tuple[str, object]] = {
     "trace": ("chunks recurring with different companions (warm/cold corpus, the quality guard): TTFT, recompute, "
               "KL and agreement vs full prefill", _trace_study),
     "faults": ("2 serve replicas sharing a redis-server under load while Redis or a replica is killed, Redis is "
-               "full, stored bytes are flipped; schema bombs and failing grammars against one server", _faults_study),
+               "full, stored bytes are flipped; schema bombs and failing grammars against one server",
+               _faults_study),
     "shared-tier": ("a replica's TTFT on a Redis hit vs a memory hit; per codec behind a paced 1 Gbit/s link",
                     _ratio_study),
     "frames": ("fidelity per entry point: first-token KL vs the model's own forward of each frame's prompt", _behind),
