@@ -509,3 +509,26 @@ def test_conversation_peers_summary_hand_checked():
     table = format_peers(turns)
     assert "| 2 | 1 | 0.100 s | 0.200 s (2.0×) | 0.400 s (4.0×) | 2.000 s (20.0×) | 0.050 s (0.5×) |" in table
     assert "kvboost 96/100" in table and format_peers({}) == ""
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_faults_grammar_scenarios_end_to_end(musique, tmp_path, capsys):
+    from conftest import musique_path
+
+    out = tmp_path / "out"
+    code = cli_main(["bench", "faults", str(musique_path()), "--limit", "1", "--chunks", "2", "--model", "tiny-random",
+                     "--fault-scenarios", "schema_bomb,grammar_fails,stop_in_json", "--out", str(out)])
+    assert code == 0
+    grammar = {r["scenario"]: r for r in json.loads((out / "faults.json").read_text())["grammar"]}
+    bomb = grammar["schema_bomb"]
+    assert bomb["bombs"] >= 6 and set(bomb["bomb_statuses"]) == {"400"}, bomb  # every bomb refused
+    assert bomb["latency_ratio"] > 0 and bomb["rss_before_mib"] > 0 and bomb["rss_after_mib"] > 0
+    fails = grammar["grammar_fails"]
+    assert fails["ref_loop"]["status"] == 400 and fails["blown_pattern"]["status"] == 400, fails
+    cases = grammar["stop_in_json"]["cases"]
+    assert [c["stop"] for c in cases] == [",", '"}'], cases
+    for row in cases:  # the stop string occurs inside the only answer the schema allows: the JSON stays whole
+        assert row["status"] == 200 and row["parses"] and row["finish_reason"] in ("stop", "length"), row
+    printed = capsys.readouterr().out
+    assert "| schema_bomb |" in printed and "(target ≤ 2×)" in printed

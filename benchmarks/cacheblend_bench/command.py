@@ -221,7 +221,8 @@ STUDIES: dict[str, tuple[str, object]] = {
     "trace": ("chunks recurring with different companions (warm/cold corpus, the quality guard): TTFT, recompute, "
               "KL and agreement vs full prefill", _trace_study),
     "faults": ("2 serve replicas sharing a redis-server under load while Redis or a replica is killed, Redis is "
-               "full, stored bytes are flipped", _faults_study),
+               "full, stored bytes are flipped; schema bombs and failing grammars against one server",
+               _faults_study),
     "shared-tier": ("a replica's TTFT on a Redis hit vs a memory hit; per codec behind a paced 1 Gbit/s link",
                     _ratio_study),
     "frames": ("fidelity per entry point: first-token KL vs the model's own forward of each frame's prompt", _behind),
@@ -624,9 +625,15 @@ def _shared_tier(args: argparse.Namespace, dataset: Path) -> dict:
         result = faults.run(items, model=args.model, home=args.home, num_requests=args.fault_requests,
                             clients=args.clients, max_tokens=args.max_new_tokens, seed=args.seed,
                             scenarios=scenarios)
-        name, table = "faults", faults.format_faults(result["results"])
-        header = (f"{args.fault_requests} requests per scenario from {args.clients} clients over 2 replicas, "
-                  f"{len(items)} questions × {args.chunks} passages, {args.max_new_tokens} new tokens; {machine()}")
+        name, tables = "faults", []
+        if result["results"]:
+            tables.append(f"{args.fault_requests} requests per scenario from {args.clients} clients over 2 "
+                          f"replicas, {len(items)} questions × {args.chunks} passages, {args.max_new_tokens} new "
+                          f"tokens:\n\n{faults.format_faults(result['results'])}")
+        if result["grammar"]:
+            tables.append("Grammar defects, one server with its defaults (--max-grammar-bytes 128 KiB, "
+                          f"--grammar-timeout 10 s):\n\n{faults.format_grammar(result['grammar'])}")
+        header, table = f"model {args.model}; {machine()}", "\n\n".join(tables)
     else:
         from . import shared_tier
 

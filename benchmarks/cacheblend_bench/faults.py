@@ -12,6 +12,16 @@ per scenario:
     slow_headers 64 connections (32 per replica) at 25% that send half a request's headers a byte a second: the
                  replicas must close them (--header-timeout) while the load goes on
 
+Three more scenarios need no Redis and no load: they run against one server of their own (`cacheblend-rag serve`
+with its defaults: --max-grammar-bytes 128 KiB, --grammar-timeout 10 s) and get a table of their own:
+
+    schema_bomb   6 clients keep sending a 10,000-property json_schema (~290 KB) while a 4-token chat request is
+                  timed; the bombs must get 400 and that request's median latency stays near its baseline (measured
+                  just before), reported as a ratio (target ≤ 2×), with the server's RSS before and after
+    grammar_fails a schema that does not compile (`{"$ref": "#"}`) and one whose lexer gives up at its first token
+                  (pattern `^(a{1000}){1000}$`): 400 for each, and the time to answer
+    stop_in_json  a stop string that occurs inside a json_schema-constrained answer: the answer still parses as JSON
+
 Per scenario: completed / failed / wrong, per replica. A request *failed* when it got no complete answer (an HTTP
 error, or a stream cut before `finish_reason` and [DONE]). It is *wrong* when its answer differs from the answer
 the same policy gives with the same chunks cached (greedy decoding, so that answer is one string): the replicas
@@ -48,7 +58,9 @@ from .replicas import RedisServer, Replica
 logger = logging.getLogger(__name__)
 
 TINY_RANDOM = "tiny-random"
-SCENARIOS = ("healthy", "redis_kill", "replica_kill", "maxmemory", "flip", "big_body", "slow_headers")
+CLUSTER_SCENARIOS = ("healthy", "redis_kill", "replica_kill", "maxmemory", "flip", "big_body", "slow_headers")
+GRAMMAR_SCENARIOS = ("schema_bomb", "grammar_fails", "stop_in_json")  # one server of their own, no Redis
+SCENARIOS = CLUSTER_SCENARIOS + GRAMMAR_SCENARIOS
 QUESTION_LIMIT_S = 300.0
 BIG_BODY_BYTES = 256 * 1024**2  # what the big_body client would send if nothing stopped it
 SLOW_CLIENTS = 64  # half-sent requests of slow_headers, split over the replicas
@@ -619,24 +631,204 @@ def format_faults(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- grammar scenarios: one server of its own, with its default grammar limits --------------------------------
+
+BOMB_PROPERTIES = 10_000  # ~290 KB of json_schema, over the default --max-grammar-bytes (128 KiB)
+BOMB_CLIENTS = 6
+TIMED_REQUESTS = 3  # unrelated requests timed before the attack (the baseline) and during it; medians compared
+BLOWN_PATTERN = "^(a{1000}){1000}$"  # compiles; its lexer gives up at the first token
+GRAMMAR_LIMIT_S = 120.0  # one request of these scenarios, answered or not
+
+
+def _schema_format(schema: dict) -> dict:
+    """An OpenAI `response_format` asking for JSON that follows `schema`."""
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def wide_schema(num_properties: int) -> dict:
+    """An object schema with `num_properties` string properties (a schema bomb when large)."""
+    return {"type": "object", "properties": {f"property_{i}": {"type": "string"} for i in range(num_properties)}}
+
+
+def _chat(url: str, model: str, *, max_tokens: int = 4, content: str = "Name a bee.", **extra) -> tuple[int, dict]:
+    """One non-streamed chat completion: (status code, JSON body)."""
+    import httpx
+
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": content}], **extra}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=GRAMMAR_LIMIT_S)
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        return response.status_code, {"raw": response.text[:200]}
+
+
+def _timed_chat(url: str, model: str) -> float:
+    """Seconds for one unrelated 4-token chat request; raises unless it is a 200."""
+    started = time.monotonic()
+    status, body = _chat(url, model)
+    if status != 200:
+        raise RuntimeError(f"the unrelated request got HTTP {status}: {body}")
+    return time.monotonic() - started
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def schema_bomb(server: Replica, model: str, num_properties: int = BOMB_PROPERTIES, clients: int = BOMB_CLIENTS,
+                timed_requests: int = TIMED_REQUESTS) -> dict:
+    """`clients` threads send the bomb over and over while `timed_requests` unrelated requests are timed, after as
+    many timed without it; bomb status codes, the latency ratio, the server's RSS before and after."""
+    import httpx
+
+    mib = 1024**2
+    schema = wide_schema(num_properties)
+    bomb = json.dumps({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Name a bee."}],
+                       "response_format": _schema_format(schema)}).encode()  # encoded once: the client stays light
+    _timed_chat(server.url, model)  # warm-up: the first request pays for lazy initialisation
+    rss_before = rss_bytes(server.proc.pid)
+    baseline = [_timed_chat(server.url, model) for _ in range(timed_requests)]
+    statuses: list[int] = []
+    codes: set[str] = set()
+    lock, stop = threading.Lock(), threading.Event()
+
+    def attack() -> None:
+        with httpx.Client(timeout=GRAMMAR_LIMIT_S) as client:
+            while not stop.is_set():
+                response = client.post(f"{server.url}/v1/chat/completions", content=bomb,
+                                       headers={"Content-Type": "application/json"})
+                with lock:
+                    statuses.append(response.status_code)
+                    try:
+                        codes.add(str(response.json()["error"]["code"]))
+                    except (ValueError, KeyError, TypeError):
+                        codes.add(str(response.status_code))
+
+    threads = [threading.Thread(target=attack, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        while not statuses and any(t.is_alive() for t in threads):  # the first bombs are in before the timing starts
+            time.sleep(0.01)
+        under_attack = [_timed_chat(server.url, model) for _ in range(timed_requests)]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(GRAMMAR_LIMIT_S)
+    base, attacked = _median(baseline), _median(under_attack)
+    return {"bombs": len(statuses), "schema_bytes": len(json.dumps(schema).encode()),
+            "bomb_statuses": dict(sorted((str(c), statuses.count(c)) for c in set(statuses))),
+            "bomb_error_codes": sorted(codes), "baseline_s": round(base, 3), "under_attack_s": round(attacked, 3),
+            "latency_ratio": round(attacked / base, 2), "rss_before_mib": round(rss_before / mib),
+            "rss_after_mib": round(rss_bytes(server.proc.pid) / mib)}
+
+
+def grammar_fails(server: Replica, model: str) -> dict:
+    """A schema that does not compile and one that fails at its first token: status code and seconds of each."""
+    blown = {"type": "object", "properties": {"a": {"type": "string", "pattern": BLOWN_PATTERN}}, "required": ["a"]}
+    cases = {"ref_loop": {"$ref": "#"}, "blown_pattern": blown}
+    result: dict = {}
+    for name, schema in cases.items():
+        started = time.monotonic()
+        status, body = _chat(server.url, model, max_tokens=32, response_format=_schema_format(schema))
+        result[name] = {"status": status, "seconds": round(time.monotonic() - started, 3),
+                        "message": str((body.get("error") or {}).get("message", ""))[:80]}
+    return result
+
+
+def stop_in_json(server: Replica, model: str) -> dict:
+    """A stop string that occurs inside the only answer a json_schema allows: does the answer parse, and why it
+    finished, per stop string."""
+    schema = {"type": "object", "properties": {"word": {"enum": ["bee, wasp"]}}, "required": ["word"]}
+    cases = []
+    for stop in (",", '"}'):
+        status, body = _chat(server.url, model, max_tokens=24, content="A word?", stop=[stop],
+                             response_format=_schema_format(schema))
+        choice = (body.get("choices") or [{}])[0]
+        content = (choice.get("message") or {}).get("content") or ""
+        try:
+            parsed = json.loads(content) == {"word": "bee, wasp"}
+        except ValueError:
+            parsed = False
+        cases.append({"stop": stop, "status": status, "parses": parsed,
+                      "finish_reason": choice.get("finish_reason"), "content": content[:60]})
+    return {"cases": cases}
+
+
+def run_grammar(scenarios, *, model: str, home: str | None, workdir: Path) -> list[dict]:
+    """The grammar scenarios against one `cacheblend-rag serve` with its defaults; one result per scenario."""
+    from cacheblend_rag import settings
+    from cacheblend_rag.models.loader import model_folder
+    from cacheblend_rag.serve.command import served_name
+
+    if model == TINY_RANDOM:
+        model = str(tiny_random_model(workdir / TINY_RANDOM, home))
+    model_folder(model, home)  # converted once, into the home the server links to
+    server_home = workdir / "home-grammar"
+    server_home.mkdir()
+    (server_home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
+    served = served_name(model)
+    results = []
+    with Replica(server_home, [], model=model, name="grammar") as server:
+        for name in scenarios:
+            started = time.monotonic()
+            figures = {"schema_bomb": schema_bomb, "grammar_fails": grammar_fails,
+                       "stop_in_json": stop_in_json}[name](server, served)
+            results.append({"scenario": name, **figures})
+            logger.warning("scenario %s: %.0f s", name, time.monotonic() - started)
+    return results
+
+
+def format_grammar(results: list[dict]) -> str:
+    """The markdown table of the grammar scenarios: one row per case."""
+    lines = ["| scenario | case | status | figures |", "|---|---|---|---|"]
+    for r in results:
+        if r["scenario"] == "schema_bomb":
+            statuses = ", ".join(f"{n}× {c}" for c, n in r["bomb_statuses"].items())
+            lines.append(f"| schema_bomb | {BOMB_CLIENTS} clients × {r['schema_bytes'] // 1000} KB schema, "
+                         f"{r['bombs']} sent | {statuses} ({', '.join(r['bomb_error_codes'])}) | unrelated "
+                         f"request {r['under_attack_s']:.3f} s vs {r['baseline_s']:.3f} s baseline = "
+                         f"**{r['latency_ratio']:.2f}×** (target ≤ 2×); RSS {r['rss_before_mib']} → "
+                         f"{r['rss_after_mib']} MiB |")
+        elif r["scenario"] == "grammar_fails":
+            for case in ("ref_loop", "blown_pattern"):
+                row = r[case]
+                lines.append(f"| grammar_fails | {case} | {row['status']} | answered in {row['seconds']:.3f} s: "
+                             f"{row['message']} |")
+        else:
+            for row in r["cases"]:
+                lines.append(f"| stop_in_json | stop=`{row['stop']}` | {row['status']} | parses as JSON: "
+                             f"{'yes' if row['parses'] else 'no'}, finish_reason={row['finish_reason']} |")
+    return "\n".join(lines)
+
+
 def run(items: list[tuple[str, list[str]]], *, model: str, home: str | None, scenarios=SCENARIOS,
         num_requests: int = 24, clients: int = 4, max_tokens: int = 8, seed: int = 0,
         workdir: str | None = None) -> dict:
-    """Every scenario, the references, the summaries."""
+    """Every scenario (the cluster's, then the grammar ones on their own server), the references, the summaries."""
     from cacheblend_rag import settings
 
     models = settings.models_dir()
+    cluster_scenarios = [n for n in scenarios if n in CLUSTER_SCENARIOS]
+    grammar_scenarios = [n for n in scenarios if n in GRAMMAR_SCENARIOS]
+    runs: list[Scenario] = []
+    refs: dict = {}
+    grammar: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="cacheblend-faults-", dir=workdir) as tmp:
-        cluster = Cluster(Path(tmp), model, home)
-        try:
-            runs = []
-            for name in scenarios:
-                started = time.monotonic()
-                runs.append(run_scenario(name, cluster, items, num_requests, clients, max_tokens, models, seed))
-                logger.warning("scenario %s: %.0f s", name, time.monotonic() - started)
-            refs = references(cluster, items, runs, max_tokens, models)
-        finally:
-            cluster.stop()
+        if cluster_scenarios:
+            cluster = Cluster(Path(tmp), model, home)
+            try:
+                for name in cluster_scenarios:
+                    started = time.monotonic()
+                    runs.append(run_scenario(name, cluster, items, num_requests, clients, max_tokens, models, seed))
+                    logger.warning("scenario %s: %.0f s", name, time.monotonic() - started)
+                refs = references(cluster, items, runs, max_tokens, models)
+            finally:
+                cluster.stop()
+        if grammar_scenarios:
+            grammar = run_grammar(grammar_scenarios, model=model, home=home, workdir=Path(tmp))
     results = [summarize(s, refs) for s in runs]
-    return {"results": results, "requests": num_requests, "clients": clients, "max_tokens": max_tokens,
-            "questions": len(items), "chunks": len(items[0][1]) if items else 0}
+    return {"results": results, "grammar": grammar, "requests": num_requests, "clients": clients,
+            "max_tokens": max_tokens, "questions": len(items), "chunks": len(items[0][1]) if items else 0}
