@@ -334,9 +334,11 @@ def test_a_schema_too_long_for_the_context_is_refused_before_it_compiles_or_queu
             t.start()
         server.wait_for(lambda h: h["queue_depth"] == 2, "the queue full")
         compiled = _compilations(server)
-        # 110 KB of schema, ~41k tokens of instructions: fits the character bound, not the 16k context. Before:
-        # compiled (twice) while the queue was full, then answered 429 (or, queued, refused by the worker)
-        bomb = _post(server, _chat_body(response_format=_schema_format(_wide_schema(3_000))))
+        # 20 KB of schema (under --max-grammar-bytes), ~7k tokens of instructions, beside a question of ~12k tokens
+        # that fits the 16k context alone: together they do not. Before: compiled (twice) while the queue was full,
+        # then answered 429 (or, queued, refused by the worker)
+        question = [{"role": "user", "content": "bee " * 12_000}]
+        bomb = _post(server, _chat_body(messages=question, response_format=_schema_format(_wide_schema(550))))
         assert bomb.status_code == 400 and _error(bomb)["code"] == "context_length_exceeded", bomb.text
         assert _compilations(server) == compiled  # refused from its token count: nothing compiled
         assert server.health()["running"] == 1
