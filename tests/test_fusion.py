@@ -479,3 +479,48 @@ def test_relevance_keeps_the_invariants_and_recomputes_the_rows_the_question_rea
     assert int(chosen.sum()) == budget and float(score[chosen].min()) >= float(score[left].max())
     with pytest.raises(ConfigError, match="from_layer"):
         engine.prefill(TEXTS, QUESTION, method="relevance", recompute_ratio=0.3, from_layer=-1)
+
+
+LOOKALIKE_PAGES = [  # one template, other facts: the pages where reuse answers with a neighbour's facts
+    f"{name} - Frequently asked questions\nWho founded {name}? {name} was founded by {founder}.\n"
+    f"Where is {name} based? {name} is based in {city}.\nHow much does the {name} X4 cost? It costs {price} euros."
+    for name, founder, city, price in (("Zenva", "Mira Okafor", "Tallinn", 129), ("Trolum", "Kofi Novak", "Porto", 349),
+                                       ("Pexdal", "Yuna Haddad", "Ghent", 518))
+]
+
+
+def test_lookalike_scores_tell_shared_phrasing_from_shared_text(tokenizer):
+    """A page that repeats an earlier page's phrasing with other content scores high; a repeated page (overlapping
+    windows of one text) and an unrelated one score near 0; the first page scores 0."""
+    from cacheblend_rag.fuse.lookalike import lookalike_scores
+
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in LOOKALIKE_PAGES + TEXTS[:2]]
+    first, second, third, river, curie = lookalike_scores(ids)
+    assert first == 0.0 and second > 0.2 and third > 0.2 and river < 0.1 and curie < 0.1
+    repeated = lookalike_scores([ids[0], ids[0][5:] + ids[3]])[1]
+    assert abs(repeated) < 0.1
+
+
+def test_cacheblend_recomputes_lookalike_pages_whole_and_keeps_the_invariants(tiny):
+    """Among look-alike pages, CacheBlend recomputes every page after the first in full (their rows in every layer),
+    on top of its ratio; ratio 0 is still full reuse, 1 full prefill, and `lookalike=None` turns it off."""
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer)
+    engine.ingest(LOOKALIKE_PAGES, show_progress=False)
+    question = "How much does the Trolum X4 cost?"
+    full = engine.prefill(LOOKALIKE_PAGES, question, method="full_prefill")
+    reuse = engine.prefill(LOOKALIKE_PAGES, question, method="full_reuse")
+    assert _max_diff(engine.prefill(LOOKALIKE_PAGES, question, recompute_ratio=0.0), reuse) == 0.0
+    assert _max_diff(engine.prefill(LOOKALIKE_PAGES, question, recompute_ratio=1.0), full) <= 1e-4
+
+    later = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in LOOKALIKE_PAGES[1:]]
+    stats = engine.prefill(LOOKALIKE_PAGES, question, recompute_ratio=0.15).stats
+    off = engine.prefill(LOOKALIKE_PAGES, question, recompute_ratio=0.15, lookalike=None).stats
+    assert stats["lookalike_rows"] == sum(later) and "lookalike_rows" not in off
+    assert stats["num_recomputed"] >= sum(later) > off["num_recomputed"]
+    uncached = stats["num_tokens"] - stats["num_reused"] - stats["num_exact_cached"]
+    assert min(stats["rows_per_layer"]) >= uncached + sum(later) > min(off["rows_per_layer"])
+    distinct = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.15).stats
+    assert "lookalike_rows" not in distinct
+    with pytest.raises(ConfigError, match="lookalike"):
+        engine.prefill(LOOKALIKE_PAGES, question, recompute_ratio=0.15, lookalike=2.0)

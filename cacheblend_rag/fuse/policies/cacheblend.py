@@ -13,6 +13,7 @@ from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
 from ..guard import GuardedRows, QualityGuard, check_guard_options
 from ..hkvd import DEVIATIONS, SELECTIONS, WEIGHTS, chunk_heads, hkvd_score, top_rows
+from ..lookalike import lookalike_rows
 from ..loop import LayerView
 from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence
@@ -54,6 +55,9 @@ class CacheBlend(Policy):
     weight: str = "attention"  # weight deviations by the question's attention to each token ("none": plain HKVD)
     guard: float | None = None  # quality guard threshold (fuse/guard.py): flag requests whose estimate exceeds it
     guard_ratio: float | None = None  # the recompute ratio a flagged request escalates to (None: flag only)
+    # recompute in full every reused page that repeats an earlier page's phrasing with other content, above this
+    # look-alike score (fuse/lookalike.py; None: never): among look-alike pages reuse gives a neighbour's facts
+    lookalike: float | None = 0.2
     name: ClassVar[str] = "cacheblend"
 
     def __post_init__(self) -> None:
@@ -80,6 +84,8 @@ class CacheBlend(Policy):
         if factor > 1.0 and self.filter_layer <= max(self.check_layers):
             raise ConfigError(f"filter_layer ({self.filter_layer}) must come after the check layers {self.check_layers}")
         check_guard_options(self.guard, self.guard_ratio, self.recompute_ratio)
+        if self.lookalike is not None:
+            check_ratio(self.lookalike, "lookalike")
 
     @property
     def candidate_ratio(self) -> float:
@@ -110,10 +116,14 @@ class CacheBlend(Policy):
         if last_check >= adapter.num_layers:
             raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
         filters = self.candidate_factor > 1.0 and self.filter_layer < adapter.num_layers
+        # between full reuse and full prefill only: the ratios' ends stay what they are
+        lookalike = lookalike_rows(seq, self.lookalike) if self.lookalike is not None else torch.zeros_like(heads)
+        heads = heads | lookalike
         # every row whose KV is not exact already, up to the last check layer
         return HKVDSelection(~seq.exact, last_check + 1, policy=self, heads=heads,
                              first_ratio=self.candidate_ratio if filters else self.recompute_ratio,
-                             filter_layer=self.filter_layer if filters else None, guard=guard)
+                             filter_layer=self.filter_layer if filters else None, guard=guard,
+                             lookalike_rows=int((lookalike & reused).sum()))
 
 
 @dataclass
@@ -127,6 +137,7 @@ class HKVDSelection(RowSelection):
     score: torch.Tensor | None = None
     guard: QualityGuard | None = None  # per request; may escalate the budget at the last check layer
     final_ratio: float | None = None  # share of reused rows kept from the filter layer on (the policy's, or escalated)
+    lookalike_rows: int = 0  # reused rows always recomputed because their page looks like an earlier one
 
     def keep(self, view: LayerView) -> torch.Tensor | None:
         """Accumulate the deviation at check layers; select after the last; narrow at the filter layer."""
@@ -159,8 +170,11 @@ class HKVDSelection(RowSelection):
             self.first_ratio = min(1.0, self.policy.candidate_factor * ratio) if filters else ratio
 
     def report(self) -> dict:
-        """The guard's reading (empty without a guard)."""
-        return self.guard.report() if self.guard is not None else {}
+        """The guard's reading (empty without a guard) and how many rows were recomputed as look-alike pages."""
+        report = self.guard.report() if self.guard is not None else {}
+        if self.lookalike_rows:
+            report["lookalike_rows"] = self.lookalike_rows
+        return report
 
     def select(self, score: torch.Tensor, seq: FusedSequence, ratio: float) -> torch.Tensor:
         """(N,) bool: the reused rows to keep, the top `ratio` by score (a subclass may choose otherwise)."""

@@ -1,0 +1,57 @@
+"""Look-alike pages: a later chunk that repeats an earlier chunk's phrasing with other content.
+
+Reused KV loses answers among such pages (docs/benchmarks.md, "Right answers among look-alike documents"): a page
+computed on its own is the KV of a *first* document, and placed second or third among pages written from the same
+template (product pages, FAQ pages, forms) it pulls the question to its own facts — a neighbour's price. Pages that
+merely repeat each other (overlapping windows of one article) or share nothing do not. So the risk is phrasing
+shared *without* content shared, which token n-grams measure directly:
+
+    score(page j) = |short n-grams of j seen in pages < j| / |short n-grams of j|
+                  − |long n-grams of j seen in pages < j| / |long n-grams of j|
+
+(3- and 8-grams of token ids). FAQ pages score 0.27–0.45; MuSiQue's retrieved passages 0.00–0.14, though they
+repeat each other almost whole (their 3- and 8-gram shares are both ~0.95). A page above the threshold is
+recomputed in full; the first page of a look-alike group keeps its reused KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sequence import FusedSequence
+
+SHORT, LONG = 3, 8
+
+
+def _grams(ids: list[int], n: int) -> set[tuple[int, ...]]:
+    return {tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)}
+
+
+def lookalike_scores(pages: list[list[int]]) -> list[float]:
+    """Per page (token ids, in prompt order): phrasing shared with an earlier page minus content shared (0 for the
+    first page and for pages too short to have a long n-gram)."""
+    scores, seen_short, seen_long = [], set(), set()
+    for ids in pages:
+        short, long = _grams(ids, SHORT), _grams(ids, LONG)
+        if seen_short and long:
+            scores.append(len(short & seen_short) / len(short) - len(long & seen_long) / len(long))
+        else:
+            scores.append(0.0)
+        seen_short |= short
+        seen_long |= long
+    return scores
+
+
+def lookalike_rows(seq: FusedSequence, threshold: float) -> torch.Tensor:
+    """(N,) bool: the reused rows of every chunk whose look-alike score is above `threshold`."""
+    rows = torch.zeros_like(seq.cached)
+    segments = seq.segment_of_row
+    chunk_ids = sorted(set(segments[segments >= 0].tolist()))  # every chunk, an exact first one included
+    if len(chunk_ids) < 2:
+        return rows
+    ids = seq.token_ids.tolist()
+    pages = [[ids[i] for i in (segments == c).nonzero().squeeze(1).tolist()] for c in chunk_ids]
+    for c, score in zip(chunk_ids, lookalike_scores(pages)):
+        if score > threshold:
+            rows |= segments == c
+    return rows & seq.reused
