@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from .decode.generate import SamplingOptions, cut_at_stop, decode
+from .decode.generate import SamplingOptions, decode
 from .decode.grammar import GrammarCompiler
 from .decode.kv_decode import KVDecoder, KVSequence, kv_decode
-from .decode.stream import stream_decode
-from .decode.text import IncrementalText, StopFilter
+from .decode.stream import answer_streamer, stream_decode
+from .decode.text import Answer
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
@@ -489,29 +489,23 @@ class CacheBlendEngine:
         sampling = request.sampling
         with self._decodable(request) as pre:
             started = time.perf_counter()
-            new_ids = self._decode(pre, sampling, self.cache.salted(request.cache_salt))
+            answer = self._decode(pre, sampling, self.cache.salted(request.cache_salt))
             decode_s = time.perf_counter() - started
-        text, _ = self._answer_text(new_ids.tolist(), sampling)
-        stats = dataclasses.replace(pre.stats, num_generated=int(new_ids.numel()),
-                                    timing=dict(pre.stats.timing, decode_s=decode_s))
-        reason, satisfied = self._finish(new_ids.tolist(), sampling)
-        return Generation(text.strip(), new_ids.tolist(), pre.stats.ttft_s, stats, pre.logits, reason, satisfied)
+        ids = list(answer.token_ids)
+        stats = dataclasses.replace(pre.stats, num_generated=len(ids), timing=dict(pre.stats.timing, decode_s=decode_s))
+        return Generation(answer.text.strip(), ids, pre.stats.ttft_s, stats, pre.logits, answer.finish_reason,
+                          answer.grammar_satisfied)
 
     def stream_request(self, request: Request, stats: dict | None = None) -> Generator[str, None, None]:
         """Yield the answer's text pieces as they are decoded; `stats`, if given, gets the prefill's stats, then
-        decoding's. Stopping the iteration (or closing the generator) stops decoding at the next token."""
+        decoding's (`finish_reason` and `grammar_satisfied` included). Stopping the iteration (or closing the
+        generator) stops decoding at the next token."""
         if request.prompt is not None:
             self._prompt_text(request.prompt, request.tools)  # a chat prompt needs a chat template: fail here, not at next()
         sampling = request.sampling
         cache = self.cache.salted(request.cache_salt)
-
-        def decode_prefill(pre: Prefill, streamer, cancel) -> torch.Tensor:
-            new_ids = self._decode(pre, sampling, cache, streamer, cancel)
-            if stats is not None:  # read once the stream is exhausted
-                stats["finish_reason"], stats["grammar_satisfied"] = self._finish(new_ids.tolist(), sampling)
-            return new_ids
-
-        return stream_decode(lambda: self._decodable(request), self.tokenizer, sampling, decode_prefill, stats)
+        return stream_decode(lambda: self._decodable(request),
+                             lambda pre, emit, cancel: self._decode(pre, sampling, cache, emit, cancel), stats)
 
     def start_request(self, request: Request) -> tuple[KVSequence, RequestStats]:
         """Fused prefill, then a sequence ready to decode with `advance` (alone or batched with others), and the
@@ -571,47 +565,29 @@ class CacheBlendEngine:
                     self._keep(seq, self._sequence_caches.pop(seq, self.cache))
             return pieces
 
-    def _finish(self, new_ids: list[int], sampling: SamplingOptions) -> tuple[str, bool | None]:
-        """(finish_reason, grammar_satisfied) of a decoded answer, from its tokens alone (both decoders)."""
-        satisfied = complete = None
-        if sampling.grammar is not None:
-            satisfied, complete = self.grammars.check(sampling.grammar, new_ids)
-        _, cut = self._answer_text(new_ids, sampling)
-        ended = bool(new_ids) and new_ids[-1] == self.tokenizer.eos_token_id
-        if cut or ended or complete or len(new_ids) < sampling.max_new_tokens:  # shorter: cancelled, not cut
-            return "stop", satisfied
-        return "length", satisfied
-
-    def _answer_text(self, new_ids: list[int], sampling: SamplingOptions) -> tuple[str, bool]:
-        """(the answer's text cut at its first stop string, whether one cut it); in a constrained answer a stop
-        string counts only where it begins after the grammar could end, as the decoder itself stops."""
-        if sampling.grammar is None or not sampling.stop:
-            return cut_at_stop(self.tokenizer.decode(new_ids, skip_special_tokens=True), sampling.stop)
-        state, text, stops = self.grammars.state(sampling.grammar), IncrementalText(self.tokenizer), \
-            StopFilter(sampling.stop)
-        pieces = []
-        for token_id in new_ids:
-            if token_id == state.eos:
-                break
-            can_stop = state.satisfied
-            state.consume(token_id)
-            pieces.append(stops.push(text.push(token_id), armed=can_stop))
-            if stops.found:
-                return "".join(pieces), True
-        return "".join(pieces) + stops.flush(), False
-
-    def _decode(self, pre: Prefill, sampling: SamplingOptions, cache: ChunkCache, streamer=None,
-                cancel=None) -> torch.Tensor:
-        """New token ids after the prefill, with the chosen decoder: "kv" takes its first token from the prefill's
-        logits (no step recomputes the last prompt token); "hf", the reference, recomputes it as generate does.
-        The finished KV is kept in `cache` (the request's salted view)."""
+    def _decode(self, pre: Prefill, sampling: SamplingOptions, cache: ChunkCache, emit=None, cancel=None) -> Answer:
+        """The answer after the prefill, with the chosen decoder (its text pieces handed to `emit` as they come):
+        "kv" takes its first token from the prefill's logits (no step recomputes the last prompt token); "hf", the
+        reference, recomputes it as generate does and feeds its tokens to an `Answer` as they come. Either way the
+        answer's text and finish_reason are decided once, by its `Answer`. The finished KV is kept in `cache` (the
+        request's salted view)."""
         if self.decoder == "kv":
-            return kv_decode(self.adapter, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer,
-                             cancel, first_logits=pre.logits, decoder=self._kv_decoder,
-                             on_done=lambda seq: self._keep(seq, cache))
-        new_ids = decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, streamer, cancel)
+            done: list[KVSequence] = []
+
+            def finished(seq: KVSequence) -> None:
+                done.append(seq)
+                self._keep(seq, cache)
+
+            kv_decode(self.adapter, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling, cancel=cancel,
+                      first_logits=pre.logits, decoder=self._kv_decoder, on_done=finished, on_piece=emit)
+            return done[0].answer
+        answer = Answer(self.tokenizer, sampling, self.tokenizer.eos_token_id,
+                        pieces=bool(sampling.stop) or emit is not None)
+        cancel = cancel or threading.Event()
+        decode(self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, sampling,
+               answer_streamer(answer, emit, cancel), cancel)
         self._keep(pre, cache)  # the reference decoder's cache is HF's: keep the prompt's rows only
-        return new_ids
+        return answer
 
     def _keep(self, done: KVSequence | Prefill, cache: ChunkCache) -> None:
         """Keep a finished request's KV (a decoded sequence's filled rows, or a prefill's) as a stored prefix in

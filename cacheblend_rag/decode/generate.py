@@ -144,8 +144,3 @@ def decode(model, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tensor], 
     )
     return out[0, n:]
 
-
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
-    """Text up to the first stop string, and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)

@@ -21,7 +21,6 @@ first N-1 prompt rows and the first step recomputes the last prompt token; greed
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 
@@ -30,11 +29,8 @@ import torch.nn.functional as F
 
 from ..kernels.decode_step import decode_attention
 from .generate import SamplingOptions
-from .grammar import GrammarCompiler, GrammarDecodeError, first_line
-from .text import IncrementalText, StopFilter
-
-logger = logging.getLogger(__name__)
-
+from .grammar import GrammarCompiler, GrammarDecodeError
+from .text import Answer
 
 # Below this many keys a bf16 step attends through SDPA's fused CPU kernel: each bf16 matmul of the grouped path
 # costs ~20 us of fixed oneDNN overhead (6 a layer), while SDPA's flash kernel converts bf16 blocks to fp32 and
@@ -106,18 +102,15 @@ class KVSequence:
         self.prompt_ids = token_ids
         self.next_token = int(token_ids[-1])
         self.settings = settings
-        self.eos = decoder.eos_token_id
-        self.generated: list[int] = []
-        self.finish_reason: str | None = None  # "stop" (EOS, a stop string, a complete grammar), "length" or "error"
-        self.error: str | None = None  # why the grammar failed while decoding (finish_reason "error")
         # built before the first token is chosen: that choice is masked too
-        self.grammar = decoder.grammars.state(settings.grammar) if settings.grammar is not None else None
+        grammar = decoder.grammars.state(settings.grammar) if settings.grammar is not None else None
+        # the answer so far, and how it ends (decode.text.Answer: the one place text is cut and finish decided)
+        self.answer = Answer(decoder.tokenizer if tokenizer is None else tokenizer, settings, decoder.eos_token_id,
+                             grammar, pieces=tokenizer is not None)
+        self.generated = self.answer.token_ids  # the answer's token ids (one list)
         self.generator = None
         if settings.seed is not None and settings.temperature > 0:
             self.generator = torch.Generator(device=decoder.device).manual_seed(settings.seed)
-        self._text = IncrementalText(tokenizer) if tokenizer is not None else None
-        self._stop = StopFilter(settings.stop)
-        self._raw = ""  # all text so far, for stop strings when no one reads the pieces
         # the text of the token chosen from the prefill's logits, for the caller to hand out before any step
         self.first_piece = self.accept(self.choose(first_logits)) if first_logits is not None else ""
 
@@ -129,15 +122,30 @@ class KVSequence:
             [v.transpose(0, 1) for v in self.v[:, :, : self.length]]
 
     @property
+    def grammar(self):
+        """This sequence's grammar state (None without a grammar)."""
+        return self.answer.grammar
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" (EOS, a stop string, a complete grammar), "length" or "error"; None while decoding."""
+        return self.answer.finish_reason
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed while decoding (finish_reason "error")."""
+        return self.answer.error
+
+    @property
     def finished(self) -> bool:
         """Whether the answer is complete."""
-        return self.finish_reason is not None
+        return self.answer.finished
 
     @property
     def grammar_satisfied(self) -> bool | None:
         """Whether the text so far completes the grammar (None without one): False after "length" means the
         constrained text was cut before it was complete."""
-        return None if self.grammar is None else self.grammar.satisfied
+        return self.answer.grammar_satisfied
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from this sequence's (vocab,) logits: argmax, or sampled with temperature/top_p."""
@@ -157,33 +165,8 @@ class KVSequence:
 
     def accept(self, token_id: int) -> str:
         """Record the chosen token; returns the text to hand out now (stop strings cut) and sets finish_reason."""
-        self.generated.append(token_id)
         self.next_token = token_id
-        piece = ""
-        # a stop string inside a constrained answer counts only from where the grammar could end (before this token)
-        can_stop = self.grammar is None or self.grammar.satisfied
-        if self.grammar is not None:
-            self.grammar.consume(token_id)
-            if self.grammar.error:  # failed at this token or at its mask (which then allowed only EOS)
-                self.error = (f"the {self.settings.grammar.kind} grammar failed while decoding, after "
-                              f"{len(self.generated) - 1} tokens: {first_line(self.grammar.error)}; send a simpler "
-                              "schema (a pattern or a recursion past the grammar engine's limits?)")
-                logger.warning("%s", self.error)
-                self.finish_reason = "error"
-                return ""
-        if token_id == self.eos:
-            self.finish_reason = "stop"
-        elif self._text is not None:
-            piece = self._stop.push(self._text.push(token_id), armed=can_stop)
-            if self._stop.found:
-                self.finish_reason = "stop"
-        if self.finish_reason is None and self.grammar is not None and self.grammar.stopped:
-            self.finish_reason = "stop"  # the grammar allows only EOS now: end without a step to choose it
-        if self.finish_reason is None and len(self.generated) >= self.settings.max_new_tokens:
-            self.finish_reason = "length"
-        if self.finish_reason is not None and not self._stop.found:
-            piece += self._stop.flush()
-        return piece
+        return self.answer.accept(token_id)
 
 
 class KVDecoder:
@@ -254,23 +237,34 @@ class KVDecoder:
 def kv_decode(adapter, tokenizer, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
               settings: SamplingOptions, streamer=None, cancel: threading.Event | None = None,
               first_logits: torch.Tensor | None = None, decoder: KVDecoder | None = None,
-              on_done: Callable[[KVSequence], None] | None = None) -> torch.Tensor:
+              on_done: Callable[[KVSequence], None] | None = None,
+              on_piece: Callable[[str], None] | None = None) -> torch.Tensor:
     """New token ids after the prompt `token_ids` (N,), whose fused KV is given: `decode.generate.decode`'s
     contract (EOS, stop strings, `streamer.put`/`end`, stops early once `cancel` is set) on the adapter path;
     `first_logits`, the prefill's next-token logits, give the first token without a step. Pass the engine's
-    `decoder` to reuse its state (the grammar compiler's converted tokenizer); `on_done(seq)` runs once decoding
-    ended (finished or cancelled), after `streamer.end()`, e.g. to keep the sequence's KV."""
+    `decoder` to reuse its state (the grammar compiler's converted tokenizer); `on_piece(text)` gets each text
+    piece as the sequence hands it out (stop strings cut: `seq.answer`); `on_done(seq)` runs once decoding ended
+    (finished or cancelled), after `streamer.end()`, e.g. to keep the sequence's KV or read `seq.answer`."""
     decoder = decoder or KVDecoder(adapter, tokenizer)
-    seq = decoder.sequence(token_ids, keys, values, settings, text=bool(settings.stop), first_logits=first_logits)
+    text = bool(settings.stop) or on_piece is not None
+    seq = decoder.sequence(token_ids, keys, values, settings, text=text, first_logits=first_logits)
     if streamer is not None:
         streamer.put(token_ids[None].cpu())  # the prompt, which the streamer skips
         if seq.generated:
             streamer.put(torch.tensor([seq.generated[-1]]))
+    if on_piece is not None and seq.first_piece:
+        on_piece(seq.first_piece)
     try:
         while not seq.finished and not (cancel is not None and cancel.is_set()):
-            decoder.advance([seq])
+            piece = decoder.advance([seq])[0]
             if streamer is not None:
                 streamer.put(torch.tensor([seq.generated[-1]]))
+            if on_piece is not None and piece:
+                on_piece(piece)
+        if not seq.finished:  # cancelled
+            rest = seq.answer.end()
+            if on_piece is not None and rest:
+                on_piece(rest)
     finally:
         if streamer is not None:
             streamer.end()

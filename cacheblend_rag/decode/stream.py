@@ -1,56 +1,67 @@
-"""Streaming: decode on a worker thread, yield text pieces, cut at stop strings; stop decoding when the consumer
-stops iterating (the worker is told to stop and joined, so no thread outlives the stream)."""
+"""Streaming: decode on a worker thread, yield the answer's text pieces (stop strings already cut by its `Answer`);
+stop decoding when the consumer stops iterating (the worker is told to stop and joined, so no thread outlives the
+stream)."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from typing import Any
 
-from .generate import SamplingOptions
-from .text import IncrementalText, StopFilter
+from .text import Answer
+
+_END = object()  # the worker's last item: the answer (and its stats) are final
 
 
-def token_streamer(tokenizer):
-    """A TextIteratorStreamer that hands out text as each token is decoded (`IncrementalText`), not only at word
-    boundaries: the first word of an answer arrives one decode step sooner."""
-    from transformers import TextIteratorStreamer
+def answer_streamer(answer: Answer, on_piece: Callable[[str], None] | None = None,
+                    cancel: threading.Event | None = None):
+    """A streamer for HF generate that feeds each new token to `answer` (the prompt skipped), hands its pieces to
+    `on_piece` and sets `cancel` once the answer finished (generate then stops at the next step)."""
+    from transformers.generation.streamers import BaseStreamer
 
-    class TokenStreamer(TextIteratorStreamer):
+    class AnswerStreamer(BaseStreamer):
+        def __init__(self) -> None:
+            self.prompt = True
+
         def put(self, value) -> None:
             if value.dim() > 1:
                 if value.shape[0] > 1:
                     raise ValueError("streaming supports batch size 1")
                 value = value[0]
-            if self.skip_prompt and self.next_tokens_are_prompt:
-                self.next_tokens_are_prompt = False
+            if self.prompt:
+                self.prompt = False
                 return
             for token_id in value.tolist():
-                self.on_finalized_text(self.text.push(token_id))
+                piece = answer.accept(token_id)
+                if piece and on_piece is not None:
+                    on_piece(piece)
+            if answer.finished and cancel is not None:
+                cancel.set()
 
-    streamer = TokenStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    streamer.text = IncrementalText(tokenizer)
-    return streamer
+        def end(self) -> None:
+            piece = answer.end()
+            if piece and on_piece is not None:
+                on_piece(piece)
+
+    return AnswerStreamer()
 
 
-def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], tokenizer, sampling: SamplingOptions,
-                  decode_prefill: Callable[[Any, Any, threading.Event], Any], stats: dict | None = None,
-                  ) -> Generator[str, None, None]:
+def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]],
+                  decode_prefill: Callable[[Any, Callable[[str], None], threading.Event], Answer],
+                  stats: dict | None = None) -> Generator[str, None, None]:
     """Yield the text pieces of the answer to the prefill that `open_prefill()` enters (on the worker thread).
 
-    `decode_prefill(pre, streamer, cancel)` decodes after the prefill `pre` (the engine's chosen decoder), putting
-    tokens to `streamer` and stopping once `cancel` is set; it returns the new token ids. `stats`, if given, gets
-    the prefill's stats as soon as the first piece can arrive, then `num_generated` and `timing.decode_s`.
-    Closing the generator early (a `break`, a disconnected client) stops decoding at the next token and waits for
-    the worker.
+    `decode_prefill(pre, emit, cancel)` decodes after the prefill `pre` (the engine's chosen decoder), handing each
+    text piece to `emit` and stopping once `cancel` is set; it returns the finished `Answer`. `stats`, if given,
+    gets the prefill's stats as soon as the first piece can arrive, then `num_generated`, `timing.decode_s`,
+    `finish_reason` and `grammar_satisfied` (the answer's own). Closing the generator early (a `break`, a
+    disconnected client) stops decoding at the next token and waits for the worker.
     """
-    streamer = token_streamer(tokenizer)
-    errors: queue.Queue[BaseException] = queue.Queue()
+    items: queue.Queue[Any] = queue.Queue()  # unbounded: the worker never waits on us
     cancel = threading.Event()
-    decoded = threading.Event()  # set once the stats are final (or an error is queued)
 
     def work() -> None:  # prefill and decode on one thread, holding the model's lock throughout
         try:
@@ -58,42 +69,26 @@ def stream_decode(open_prefill: Callable[[], AbstractContextManager[Any]], token
                 if stats is not None:  # readable as soon as the first piece arrives
                     stats.update(pre.stats.as_dict())
                 if cancel.is_set():
-                    streamer.end()
                     return
                 started = time.perf_counter()
-                new_ids = decode_prefill(pre, streamer, cancel)
+                answer = decode_prefill(pre, items.put, cancel)
                 if stats is not None:
-                    stats["num_generated"] = int(new_ids.numel())
+                    stats["num_generated"] = len(answer.token_ids)
                     stats["timing"] = dict(pre.stats["timing"], decode_s=time.perf_counter() - started)
-                decoded.set()  # the consumer may finish while the holes are stored
+                    stats["finish_reason"], stats["grammar_satisfied"] = answer.finish_reason, answer.grammar_satisfied
+                items.put(_END)  # the consumer may finish while the holes are stored
         except BaseException as e:  # surfaced to the consumer below
-            errors.put(e)
-            streamer.end()
+            items.put(e)
         finally:
-            decoded.set()
+            items.put(_END)
 
     worker = threading.Thread(target=work, daemon=True, name="cacheblend-decode")
     worker.start()
     try:
-        yield from stop_filtered(streamer, sampling.stop)
-        cancel.set()  # a stop string may end the text before decoding ends
-        decoded.wait()  # the streamer ends before decode returns: wait for the final stats (and any error)
-        if not errors.empty():
-            raise errors.get()
+        while (item := items.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
     finally:
         cancel.set()  # a consumer that stopped early: decoding stops at the next token
-        worker.join()  # the streamer's queue is unbounded: the worker never waits on us
-
-
-def stop_filtered(pieces: Iterable[str], stop: tuple[str, ...]) -> Iterator[str]:
-    """Pass text pieces through `StopFilter`: cut at the first stop string, even one that spans pieces."""
-    cut = StopFilter(stop)
-    for piece in pieces:
-        out = cut.push(piece)
-        if out:
-            yield out
-        if cut.found:
-            return
-    rest = cut.flush()
-    if rest:
-        yield rest
+        worker.join()

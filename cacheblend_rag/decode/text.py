@@ -1,8 +1,13 @@
-"""The one text path of decoding: token ids → text pieces as each token arrives, cut at the first stop string.
-Generate, stream and the batched server steps all use these two (gpt-fast's split: the cache holder and the
-sampler know nothing of text)."""
+"""The one text and finish path of decoding: token ids → text pieces as each token arrives, cut at the first stop
+string, and why the answer ended. `Answer` is what every decoder feeds (the kv decoder's sequences, HF generate
+through `AnswerStreamer`), for generate, stream and the batched server steps alike; nobody cuts or decides the
+finish reason again (gpt-fast's split: the cache holder and the sampler know nothing of text)."""
 
 from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
 
 
 class IncrementalText:
@@ -61,3 +66,92 @@ class StopFilter:
         """The held-back text, at the end of the answer."""
         out, self.buffer = self.buffer, ""
         return out
+
+
+class Answer:
+    """An answer as its tokens arrive: the text pieces to hand out (stop strings cut), then its text, token ids,
+    `finish_reason` and whether its grammar completed — decided here once, for every decoder and every caller.
+
+    finish_reason: "stop" (EOS, a stop string, a grammar that allows only ending, or decoding stopped early by its
+    caller), "length" (max_new_tokens) or "error" (the grammar failed while decoding: `error` says why). `grammar`
+    is the sequence's grammar state (`decode.grammar.GrammarState`, or None): the decoder masks with it, `accept`
+    advances it. With `pieces=False` no text is decoded per token (stop strings are then not looked for); `text`
+    decodes the whole answer once at the end.
+    """
+
+    def __init__(self, tokenizer, settings, eos_token_id: int | None, grammar=None, pieces: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.eos = eos_token_id
+        self.grammar = grammar
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None  # why the grammar failed while decoding (finish_reason "error")
+        self._text = IncrementalText(tokenizer) if pieces and tokenizer is not None else None
+        self._stop = StopFilter(settings.stop)
+        self._out: list[str] = []  # the pieces handed out
+
+    @property
+    def finished(self) -> bool:
+        """Whether the answer is complete."""
+        return self.finish_reason is not None
+
+    @property
+    def grammar_satisfied(self) -> bool | None:
+        """Whether the text so far completes the grammar (None without one): False after "length" means the
+        constrained text was cut before it was complete."""
+        return None if self.grammar is None else self.grammar.satisfied
+
+    @property
+    def text(self) -> str:
+        """The answer's text: the pieces handed out when a stop string cut it, else its tokens decoded whole."""
+        if self._stop.found:
+            return "".join(self._out)
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+    def accept(self, token_id: int) -> str:
+        """Record the next token; returns the text to hand out now (stop strings cut) and sets finish_reason.
+        Tokens after the answer finished are ignored (a decoder that stops a step later)."""
+        if self.finished:
+            return ""
+        self.token_ids.append(token_id)
+        piece = ""
+        # a stop string inside a constrained answer counts only from where the grammar could end (before this token)
+        can_stop = self.grammar is None or self.grammar.satisfied
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
+            if self.grammar.error:  # failed at this token or at its mask (which then allowed only EOS)
+                from .grammar import first_line
+
+                self.error = (f"the {self.settings.grammar.kind} grammar failed while decoding, after "
+                              f"{len(self.token_ids) - 1} tokens: {first_line(self.grammar.error)}; send a simpler "
+                              "schema (a pattern or a recursion past the grammar engine's limits?)")
+                logger.warning("%s", self.error)
+                self.finish_reason = "error"
+                return ""
+        if token_id == self.eos:
+            self.finish_reason = "stop"
+        elif self._text is not None:
+            piece = self._stop.push(self._text.push(token_id), armed=can_stop)
+            if self._stop.found:
+                self.finish_reason = "stop"
+        if self.finish_reason is None and self.grammar is not None and self.grammar.stopped:
+            self.finish_reason = "stop"  # the grammar allows only EOS now: end without a step to choose it
+        if self.finish_reason is None and len(self.token_ids) >= self.settings.max_new_tokens:
+            self.finish_reason = "length"
+        if self.finish_reason is not None and not self._stop.found:
+            piece += self._stop.flush()
+        if piece:
+            self._out.append(piece)
+        return piece
+
+    def end(self) -> str:
+        """Decoding ended before the answer finished (its caller stopped it, or HF generate stopped on its own
+        stop strings a token apart): finish_reason "stop"; returns the held-back text to hand out."""
+        if self.finished:
+            return ""
+        self.finish_reason = "stop"
+        piece = self._stop.flush()
+        if piece:
+            self._out.append(piece)
+        return piece

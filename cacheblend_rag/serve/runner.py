@@ -158,8 +158,7 @@ def run_job(engine, retriever: Retriever, job: Job) -> None:
         logger.debug("request stopped early: %s", stopped)
         job.emit(Failed(stopped))
         return
-    generated = int(stats.get("num_generated", 0))
-    job.emit(Done(stats, "length" if generated >= job.call.sampling.max_new_tokens else "stop"))
+    job.emit(Done(stats, stats["finish_reason"]))  # the engine's answer says how it ended: never recounted here
 
 
 # ---- continuous batching: a request is started (prefill) once, then advanced one token per batched step ----------
@@ -191,7 +190,7 @@ class ActiveRequest:
             return Failed(GrammarDecodeError(seq.error))
         self.stats["num_generated"] = len(seq.generated)
         self.stats["timing"] = dict(self.stats.get("timing", {}), decode_s=time.perf_counter() - self.decode_started)
-        return Done(self.stats, "length" if seq.finish_reason == "length" else "stop")
+        return Done(self.stats, seq.finish_reason)  # "stop" or "length", as the sequence's answer decided
 
 
 def start_job(engine, retriever: Retriever, job: Job) -> ActiveRequest:
