@@ -374,8 +374,8 @@ class _Server:
         try:
             await asyncio.wait_for(compiled, self.config.grammar_timeout_s)
         except TimeoutError:
-            logger.warning("a %s grammar of %d bytes did not compile within %g s", grammar.kind, size,
-                           self.config.grammar_timeout_s)
+            logger.warning("a %s grammar of %d bytes did not compile within %g s", grammar.kind,
+                           len(grammar.source.encode()), self.config.grammar_timeout_s)
             raise APIError(400, f"the request's {grammar.kind} grammar did not compile within "
                            f"{self.config.grammar_timeout_s:g} s (--grammar-timeout); send a simpler schema or fewer "
                            "tools", code="grammar_too_complex") from None
