@@ -406,7 +406,7 @@ def test_a_schema_bomb_is_parsed_off_the_event_loop_while_small_requests_are_ser
     launcher.write_text(HOLDING_LAUNCHER)
     held, release = tmp_path / "held", tmp_path / "release"
     srv = ServerProcess(home, "--model", str(tiny_folder), "--max-grammar-bytes", str(MAX_GRAMMAR_BYTES),
-                        launch=(str(launcher), str(held), str(release)))
+                        "--grammar-timeout", "0.001", launch=(str(launcher), str(held), str(release)))
     try:
         assert _metric(srv.url, "cacheblend_gc_frozen_objects") > 10_000  # the model's objects, out of the GC
         bomb = json.dumps(_chat_body(response_format=_schema_format(_wide_schema(10_000)))).encode()  # ~370 KB
@@ -431,6 +431,11 @@ def test_a_schema_bomb_is_parsed_off_the_event_loop_while_small_requests_are_ser
         error = _error(answers[0])
         # refused from the parsed JSON's size, before the body was validated or the grammar built
         assert error["code"] == "grammar_too_large" and "has at least" in error["message"], error
+        # a grammar under the size limit that does not compile within --grammar-timeout (1 ms here): a 400 (before:
+        # a NameError while logging it, a 500)
+        slow = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120,
+                          json=_chat_body(response_format=_schema_format(_wide_schema(300, "slow"))))
+        assert slow.status_code == 400 and _error(slow)["code"] == "grammar_too_complex", slow.text
     finally:
         release.touch()
         assert srv.stop() == 0, srv.log.read_text()
