@@ -806,7 +806,8 @@ def format_grammar(results: list[dict]) -> str:
                          f"{r['bombs']} sent | {statuses} ({', '.join(r['bomb_error_codes'])}) | unrelated "
                          f"request {r['under_attack_s']:.3f} s vs {r['baseline_s']:.3f} s baseline = "
                          f"**{r['latency_ratio']:.2f}×** (target ≤ 2×); server CPU per bomb "
-                         f"{r['server_cpu_per_bomb_ms']:.0f} ms; RSS {r['rss_before_mib']} → {r['rss_after_mib']} MiB |")
+                         f"{r['server_cpu_per_bomb_ms']:.0f} ms; RSS {r['rss_before_mib']} → "
+                         f"{r['rss_after_mib']} MiB |")
         elif r["scenario"] == "grammar_fails":
             for case in ("ref_loop", "blown_pattern"):
                 row = r[case]
