@@ -62,11 +62,13 @@ def _home(tmp: Path) -> Path:
 class ServerProcess:
     """`cacheblend-rag serve` in a subprocess; ready once /health answers."""
 
-    def __init__(self, home: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, home: Path, *args: str, env: dict[str, str] | None = None,
+                 launch: tuple[str, ...] = ("-m", "cacheblend_rag.cli")) -> None:
+        """`launch`: what Python runs, given the CLI's arguments (a test's own script that wraps the CLI)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / f"serve-{self.port}.log"
-        cmd = [sys.executable, "-m", "cacheblend_rag.cli", "serve", "--port", str(self.port), "--home", str(home),
+        cmd = [sys.executable, *launch, "serve", "--port", str(self.port), "--home", str(home),
                "--model", MODEL, "--dtype", "float32", "--device", "cpu", *args]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or _env(), cwd=REPO)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -362,6 +363,140 @@ def test_a_grammar_compiles_once_and_one_over_the_size_limit_is_400(server):
     large = _post(server, _chat_body(response_format=_schema_format(_wide_schema(800))))  # 29 KB, ~10k tokens
     assert large.status_code == 400 and _error(large)["code"] == "grammar_too_large", large.text
     assert _compilations(server) == compiled + 1
+
+
+# ---- 1 of issue 38 (what remained): a schema bomb's body parsed off the event loop, refused before it is validated -
+
+# `cacheblend-rag serve` whose parsing of a body over INLINE_BODY_BYTES waits until the file `release` exists
+# (having created `held`): while it waits, what else the server answers shows where that parsing runs
+HOLDING_LAUNCHER = """
+import pathlib, runpy, sys, time
+from cacheblend_rag.serve import app
+held, release = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+parse_json = app.parse_json
+
+def holding(raw, content_type):
+    if len(raw) > app.INLINE_BODY_BYTES:
+        held.touch()
+        deadline = time.monotonic() + 300
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return parse_json(raw, content_type)
+
+app.parse_json = holding
+sys.argv = ["cacheblend-rag", *sys.argv[3:]]
+runpy.run_module("cacheblend_rag.cli", run_name="__main__")
+"""
+
+
+def _metric(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_a_schema_bomb_is_parsed_off_the_event_loop_while_small_requests_are_served(home, tiny_folder, tmp_path):
+    # before: FastAPI parsed and validated every body on the event loop, and a bomb's ~10k dicts set off full
+    # collections of Python's GC over the model's ~420k objects (~250 ms each, GIL held): `bench faults
+    # --fault-scenarios schema_bomb` measured an unrelated 4-token request at 3.8× (up to 5.7×) its baseline
+    launcher = tmp_path / "serve_holding.py"
+    launcher.write_text(HOLDING_LAUNCHER)
+    held, release = tmp_path / "held", tmp_path / "release"
+    srv = ServerProcess(home, "--model", str(tiny_folder), "--max-grammar-bytes", str(MAX_GRAMMAR_BYTES),
+                        "--grammar-timeout", "0.001", launch=(str(launcher), str(held), str(release)))
+    try:
+        assert _metric(srv.url, "cacheblend_gc_frozen_objects") > 10_000  # the model's objects, out of the GC
+        bomb = json.dumps(_chat_body(response_format=_schema_format(_wide_schema(10_000)))).encode()  # ~370 KB
+        answers: list = []
+        sender = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{srv.url}/v1/chat/completions", content=bomb, headers={"Content-Type": "application/json"},
+            timeout=300)))
+        sender.start()
+        deadline = time.monotonic() + 120  # a bound against hangs, not a timing assertion
+        while not held.exists():
+            assert sender.is_alive() and time.monotonic() < deadline, answers
+            time.sleep(0.05)
+        # the bomb's parsing is held on its parse thread: the event loop answers, and a small request (parsed on
+        # the loop, admitted on the default pool) is served from start to finish meanwhile
+        assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+        small = httpx.post(f"{srv.url}/v1/chat/completions", json=_chat_body(), timeout=120)
+        assert small.status_code == 200, small.text
+        assert sender.is_alive() and not answers
+        release.touch()
+        sender.join(120)
+        assert answers and answers[0].status_code == 400, answers
+        error = _error(answers[0])
+        # refused from the parsed JSON's size, before the body was validated or the grammar built
+        assert error["code"] == "grammar_too_large" and "has at least" in error["message"], error
+        # a grammar under the size limit that does not compile within --grammar-timeout (1 ms here): a 400 (before:
+        # a NameError while logging it, a 500)
+        slow = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120,
+                          json=_chat_body(response_format=_schema_format(_wide_schema(300, "slow"))))
+        assert slow.status_code == 400 and _error(slow)["code"] == "grammar_too_complex", slow.text
+    finally:
+        release.touch()
+        assert srv.stop() == 0, srv.log.read_text()
+
+
+def _planned_grammar_bytes(body: dict) -> int:
+    from cacheblend_rag.serve.schemas import ChatCompletionRequest
+    from cacheblend_rag.serve.tooling import plan_chat
+
+    grammar = plan_chat(ChatCompletionRequest.model_validate(body)).grammar
+    return len(grammar.source.encode()) if grammar is not None else 0
+
+
+def test_the_grammar_floor_never_exceeds_the_grammar_the_request_builds():
+    from cacheblend_rag.serve.limits import grammar_floor
+
+    wide = _wide_schema(40)
+    two = [*_tools(wide), {"type": "function", "function": {"name": "other", "parameters": _wide_schema(30, "x")}}]
+    bodies = [_chat_body(response_format=_schema_format(wide)),
+              _chat_body(response_format=_schema_format(_nested_schema(20))),
+              _chat_body(tools=two), _chat_body(tools=two, tool_choice="required"),
+              _chat_body(tools=two, tool_choice="auto", response_format=_schema_format(_wide_schema(9, "y"))),
+              _chat_body(tools=two, tool_choice="none", response_format=_schema_format(_wide_schema(9, "y"))),
+              _chat_body(tools=two, tool_choice={"type": "function", "function": {"name": "other"}}),
+              _chat_body(tools=two, tool_choice="none"), _chat_body(response_format={"type": "json_object"}),
+              _chat_body(tools=[{"type": "function", "function": {"name": "bare"}}])]
+    floors = []
+    for body in bodies:
+        floor = grammar_floor(json.loads(json.dumps(body)))
+        floors.append(floor)
+        assert floor is None or floor[1] <= _planned_grammar_bytes(body), (body, floor)
+    assert floors[0] == ("json_schema", len(json.dumps(wide)))  # a schema bomb's floor is its schema's text
+    assert floors[2][0] == "lark" and floors[2][1] > len(json.dumps(wide))  # every tool's parameters under "auto"
+    assert floors[6] is None and floors[8] is None  # a named tool: the built grammar decides; no schema: none
+
+
+def test_a_body_is_read_with_the_errors_fastapi_gave():
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    from cacheblend_rag.serve.app import _validation_message, read_body
+    from cacheblend_rag.serve.schemas import ChatCompletionRequest
+
+    def message(raw: bytes, content_type: str | None = "application/json") -> str:
+        with pytest.raises(RequestValidationError) as e:
+            read_body(raw, content_type, ChatCompletionRequest)
+        return _validation_message(e.value)
+
+    # each as the route gave it when FastAPI read the body (checked against a server of the commit before)
+    assert message(b"{not json") == "invalid request: 1: JSON decode error"
+    assert message(b"") == "invalid request: Field required"
+    assert message(b"{not json", None) == \
+        "invalid request: Input should be a valid dictionary or object to extract fields from"
+    assert message(b'{"model": "m"}', "text/plain") == message(b"[1, 2]")
+    assert message(b'{"model": "m"}') == "invalid request: messages: Field required"
+    with pytest.raises(HTTPException) as e:
+        read_body(b"[" * 100_000 + b"]" * 100_000, "application/json", ChatCompletionRequest)
+    assert e.value.status_code == 400 and e.value.detail == "There was an error parsing the body"
+    body = read_body(json.dumps(_chat_body()).encode(), "application/vnd.api+json; charset=utf-8",
+                     ChatCompletionRequest)
+    assert body.model == MODEL and body.messages[0].text() == "Name a bee."
 
 
 # ---- 3 of issue 38: a grammar that fails is an error, never an empty "stop" ---------------------------------------

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import tools as generic_tools
@@ -37,7 +38,7 @@ from ..errors import (
     VectorStoreError,
 )
 from ..tool_format import GENERIC, ToolFormat
-from .limits import RequestGuard, check_fits, max_token_chars
+from .limits import RequestGuard, check_fits, grammar_floor, json_content, max_token_chars
 from .metrics import ServerMetrics
 from .runner import EngineCall, Retriever, admit_documents, make_scheduler, prompt_tokens, request_salt
 from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
@@ -47,6 +48,11 @@ from .tooling import CallStream, ChatPlan, answer_message, plan_chat
 logger = logging.getLogger(__name__)
 
 GRAMMAR_WORKERS = 2  # threads compiling grammars: a schema bomb holds at most these, never the default pool
+# a request body up to this many bytes is parsed, validated and planned on the event loop (well under a millisecond);
+# a larger one on one of PARSE_WORKERS threads of its own, so the loop keeps answering while a 368 KB schema bomb or
+# 8 MiB of documents is parsed, and requests with small bodies never wait behind one
+INLINE_BODY_BYTES = 64 * 1024
+PARSE_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,38 @@ def api_error(exc: BaseException) -> APIError:
                     code)
 
 
+def read_body(raw: bytes, content_type: str | None, model: type[_Generation]) -> _Generation:
+    """A request body as `model`, read as FastAPI reads a route's body parameter, with its errors: JSON only with a
+    JSON Content-Type, RequestValidationError for JSON that does not parse or does not validate, a 400 for a body
+    that cannot be decoded at all."""
+    return validate_body(parse_json(raw, content_type), model)
+
+
+def parse_json(raw: bytes, content_type: str | None) -> Any:
+    """The body's JSON value (the raw bytes when it is not JSON, None when empty), as FastAPI parses it."""
+    if not raw:
+        return None
+    if not json_content(content_type):
+        return raw  # FastAPI validates the bytes, which no model takes: a 400 saying so
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": e.msg}}]) from e
+    except Exception as e:  # not UTF-8, nested past the recursion limit
+        raise StarletteHTTPException(400, "There was an error parsing the body") from e
+
+
+def validate_body(data: Any, model: type[_Generation]) -> _Generation:
+    """`data` (parse_json's) validated as `model`: RequestValidationError, as FastAPI raises it, otherwise."""
+    if data is None:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        return model.model_validate(data, from_attributes=True)  # as FastAPI validates a body
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -213,8 +251,42 @@ class _Server:
         # grammars compile here, apart from the default pool that admits every request: plain requests never
         # wait behind a schema; the engine's compiler keeps what compiled, so the worker does not compile again
         self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_WORKERS, "cacheblend-grammar")
+        # bodies over INLINE_BODY_BYTES are parsed here: never on the event loop, never on the pool admitting requests
+        self.parse_pool = concurrent.futures.ThreadPoolExecutor(PARSE_WORKERS, "cacheblend-parse")
 
     # ---- requests to engine calls ---------------------------------------------------------
+
+    async def read(self, request: Request, build: Callable[[bytes, str | None, str | None], Any]) -> Any:
+        """`build(raw body, Content-Type, the key's cache namespace)`: on the event loop for a small body, on a parse
+        thread for one over INLINE_BODY_BYTES (its parsing, validation and planning take milliseconds a request)."""
+        raw = await request.body()  # read whole by RequestGuard already, within --max-body-bytes
+        args = (raw, request.headers.get("content-type"), request.state.key_namespace)
+        if len(raw) <= INLINE_BODY_BYTES:
+            return build(*args)
+        return await asyncio.wrap_future(self.parse_pool.submit(build, *args))
+
+    def chat_request(self, raw: bytes, content_type: str | None, key_namespace: str | None,
+                     ) -> tuple[ChatCompletionRequest, EngineCall, ChatPlan]:
+        """A chat request's raw body → (body, engine call, plan), every check that needs no tokenizer done: a grammar
+        that is surely over --max-grammar-bytes is refused from the parsed JSON, before the body is validated and the
+        grammar built (`grammar_floor`); the built grammar's exact size is checked after."""
+        data = parse_json(raw, content_type)
+        floor = grammar_floor(data)
+        if floor is not None:
+            self._check_grammar_bytes(*floor, at_least=True)
+        body = validate_body(data, ChatCompletionRequest)
+        self._check_model(body)
+        call, plan = self.chat_call(body, request_salt(key_namespace, body.cache_salt))
+        if call.sampling.grammar is not None:
+            self._check_grammar_size(call.sampling.grammar)
+        return body, call, plan
+
+    def completion_request(self, raw: bytes, content_type: str | None, key_namespace: str | None,
+                           ) -> tuple[CompletionRequest, EngineCall]:
+        """A completion request's raw body → (body, engine call)."""
+        body = read_body(raw, content_type, CompletionRequest)
+        self._check_model(body)
+        return body, self.completion_call(body, request_salt(key_namespace, body.cache_salt))
 
     def _check_model(self, body: _Generation) -> None:
         if body.model != self.config.model_name:
@@ -288,11 +360,13 @@ class _Server:
     def _check_grammar_size(self, grammar: Grammar) -> None:
         """A 400 for a grammar over --max-grammar-bytes: checked first, before its text is tokenized (a schema bomb's
         tokenizing alone took the CPU from every other request: `bench faults --fault-scenarios schema_bomb`)."""
-        size = len(grammar.source.encode())
+        self._check_grammar_bytes(grammar.kind, len(grammar.source.encode()))
+
+    def _check_grammar_bytes(self, kind: str, size: int, at_least: bool = False) -> None:
         if size > self.config.max_grammar_bytes:
-            raise APIError(400, f"the request's {grammar.kind} grammar (its schema or tools) has {size} bytes, more "
-                           f"than this server's limit of {self.config.max_grammar_bytes} (--max-grammar-bytes)",
-                           code="grammar_too_large")
+            raise APIError(400, f"the request's {kind} grammar (its schema or tools) has {'at least ' * at_least}"
+                           f"{size} bytes, more than this server's limit of {self.config.max_grammar_bytes} "
+                           "(--max-grammar-bytes)", code="grammar_too_large")
 
     async def _compile(self, grammar: Grammar) -> None:
         """Compile the call's grammar on the grammar threads within the time limit: a 400 otherwise."""
@@ -300,8 +374,8 @@ class _Server:
         try:
             await asyncio.wait_for(compiled, self.config.grammar_timeout_s)
         except TimeoutError:
-            logger.warning("a %s grammar of %d bytes did not compile within %g s", grammar.kind, size,
-                           self.config.grammar_timeout_s)
+            logger.warning("a %s grammar of %d bytes did not compile within %g s", grammar.kind,
+                           len(grammar.source.encode()), self.config.grammar_timeout_s)
             raise APIError(400, f"the request's {grammar.kind} grammar did not compile within "
                            f"{self.config.grammar_timeout_s:g} s (--grammar-timeout); send a simpler schema or fewer "
                            "tools", code="grammar_too_complex") from None
@@ -512,6 +586,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         finally:  # uvicorn has finished the in-flight requests by now
             await asyncio.to_thread(server.scheduler.stop, config.timeout_s)
             server.grammar_pool.shutdown(wait=False, cancel_futures=True)
+            server.parse_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cacheblend-rag", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -554,16 +629,16 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
             raise APIError(404, f"the model {model!r} does not exist", code="model_not_found")
         return server.model_card()
 
+    # the routes read their bodies themselves (`_Server.read`): FastAPI would parse and validate every body on the
+    # event loop, a schema bomb's included, before the route runs
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        server._check_model(body)
-        call, plan = server.chat_call(body, request_salt(request.state.key_namespace, body.cache_salt))
+    async def chat_completions(request: Request):
+        body, call, plan = await server.read(request, server.chat_request)
         return await server.respond(request, body, call, chat=True, plan=plan)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        server._check_model(body)
-        call = server.completion_call(body, request_salt(request.state.key_namespace, body.cache_salt))
+    async def completions(request: Request):
+        body, call = await server.read(request, server.completion_request)
         return await server.respond(request, body, call, chat=False)
 
     def refuse(status: int, message: str, code: str, headers: dict[str, str]) -> JSONResponse:

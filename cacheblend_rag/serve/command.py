@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import ipaddress
 import logging
 import math
@@ -139,8 +140,15 @@ def run_cli(args: argparse.Namespace) -> int:
     engine = CacheBlendEngine.from_pretrained(args.model, kv_store=kv_store, device=args.device, dtype=args.dtype,
                                               home=args.home, revision=args.revision,
                                               trust_remote_code=args.trust_remote_code)
+    app = create_app(engine, config)
+    # the model, tokenizer and libraries leave ~420k objects the cyclic GC would walk on every full collection:
+    # ~250 ms holding the GIL (SmolLM2-135M on a 2-core EPYC), so the event loop and the engine's worker stopped
+    # whenever requests' garbage (a 368 KB schema is ~10k dicts) set one off. They live as long as the server:
+    # frozen out of the collector, a full collection walks what requests made since
+    gc.collect()
+    gc.freeze()
     server = uvicorn.Server(uvicorn.Config(
-        create_app(engine, config), host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
+        app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
         access_log=args.verbose, timeout_graceful_shutdown=None,  # wait for in-flight requests, however long
         # h11 with a deadline on each request's headers; idle keep-alive connections close after 5 s; headers
         # larger than 16 KiB are refused by h11 (400)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, GCCollector, Histogram,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -139,6 +141,12 @@ class ServerMetrics:
         self.queue_depth.set_function(queue_depth)
         self.batch_size = Gauge("cacheblend_batch_size", "Sequences the engine is working on now", registry=r)
         self.batch_size.set_function(batch_size)
+        # Python's cyclic GC: collections per generation, and the objects `serve` froze out of it at startup (the
+        # model's and libraries'; a full collection over them held the GIL ~250 ms: serve/command.py)
+        GCCollector(registry=r)
+        self.gc_frozen = Gauge("cacheblend_gc_frozen_objects",
+                               "Objects frozen out of Python's cyclic GC at startup (gc.freeze)", registry=r)
+        self.gc_frozen.set_function(gc.get_freeze_count)
         if store_stats is not None:
             r.register(StoreCollector(store_stats))
         if prefix_store_stats is not None:  # finished requests' KV kept for the next turn (engine.prefix_store)
