@@ -1,15 +1,13 @@
 """`CacheBlendLLM`: a LangChain LLM (string in, string out) over a `CacheBlendEngine`.
 
-Where it finds the chunks of a prompt, in order: an explicit `chunks=` keyword; the `CacheBlendPromptValue`
-seen by `_convert_input` (every BaseLLM entry point converts its input there first, then passes the string on);
+Where it finds the chunks of a prompt, in order: an explicit `chunks=` keyword; the chunks a
+`CacheBlendPromptValue`'s string form carries (`PromptText`: LangChain hands the LLM `value.to_string()`);
 otherwise the prompt string goes to `engine.generate_prompt`, which finds every stored chunk that appears in it
 verbatim — so a user's own `PromptTemplate` gets the reuse too.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,14 +17,13 @@ from cacheblend_rag.fuse.prefill import stats_summary
 from cacheblend_rag.ingest.chunks import Chunk
 from cacheblend_rag.request import Request
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM, LanguageModelInput
+from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from langchain_core.prompt_values import PromptValue
-from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr
+from pydantic import AliasChoices, ConfigDict, Field
 
 from ._common import EngineFields, call_settings, check_call_kwargs, learn_retrieved
 from ._common import close_stream as _close
-from .prompts import CacheBlendPromptValue
+from .prompts import PromptText
 
 __all__ = ["CacheBlendLLM"]
 
@@ -36,26 +33,6 @@ class _CallInput:
     chunks: list[str | Chunk] | None  # None: the engine finds the stored chunks in the prompt itself
     question: str
     source: str  # kwarg | prompt_value | prompt
-
-
-class _RecentPrompts:
-    """Prompt values seen by `_convert_input`, by their string, for the `_generate` that follows (bounded)."""
-
-    def __init__(self, size: int = 256) -> None:
-        self._items: OrderedDict[str, CacheBlendPromptValue] = OrderedDict()
-        self._size = size
-        self._lock = threading.Lock()
-
-    def put(self, value: CacheBlendPromptValue) -> None:
-        with self._lock:
-            self._items[value.text] = value
-            self._items.move_to_end(value.text)
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
-
-    def get(self, text: str) -> CacheBlendPromptValue | None:
-        with self._lock:
-            return self._items.get(text)
 
 
 class CacheBlendLLM(EngineFields, BaseLLM):
@@ -82,7 +59,7 @@ class CacheBlendLLM(EngineFields, BaseLLM):
     """Send a prompt to an instruct model inside its chat template, as one user turn (as LlamaIndex's
     `HuggingFaceLLM` does): bare text makes such a model answer poorly or not at all. False sends the text as is;
     a model without a chat template always gets it as is."""
-    _recent: _RecentPrompts = PrivateAttr(default_factory=_RecentPrompts)
+
     @property
     def _llm_type(self) -> str:
         return "cacheblend"
@@ -99,21 +76,12 @@ class CacheBlendLLM(EngineFields, BaseLLM):
                       ls_temperature=kwargs.get("temperature", self.temperature))
         return params
 
-    # -- keeping the prompt value: every BaseLLM entry point converts its input here first --
-
-    def _convert_input(self, model_input: LanguageModelInput) -> PromptValue:
-        value = super()._convert_input(model_input)
-        if isinstance(value, CacheBlendPromptValue):
-            self._recent.put(value)
-        return value
-
     def _request(self, prompt: str, kwargs: dict[str, Any]) -> _CallInput:
         if kwargs.get("chunks") is not None:
             question = kwargs.get("question")
             return _CallInput(list(kwargs["chunks"]), question if question is not None else prompt, "kwarg")
-        value = self._recent.get(prompt)
-        if value is not None:
-            return _CallInput(list(value.chunk_texts), value.question, "prompt_value")
+        if isinstance(prompt, PromptText):  # a CacheBlendPromptValue's string form: its chunks travel on it
+            return _CallInput(list(prompt.chunk_texts), prompt.question, "prompt_value")
         return _CallInput(None, prompt, "prompt")
 
     def _settings(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

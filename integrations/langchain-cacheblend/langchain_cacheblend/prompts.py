@@ -12,14 +12,38 @@ from langchain_core.prompt_values import StringPromptValue
 from langchain_core.prompts import BasePromptTemplate
 from pydantic import ConfigDict, Field
 
-__all__ = ["CacheBlendPromptTemplate", "CacheBlendPromptValue"]
+__all__ = ["CacheBlendPromptTemplate", "CacheBlendPromptValue", "PromptText"]
+
+
+class PromptText(str):
+    """The string form of a `CacheBlendPromptValue` that still carries its chunks and question.
+
+    LangChain hands an LLM the prompt's string (`PromptValue.to_string()`: `generate_prompt`, `invoke`, `stream`,
+    their async forms), so the chunks travel on it to `CacheBlendLLM._generate` / `_stream`; any other LLM reads
+    it as the plain string it is. A new string made from it (`text + " "`, `text.strip()`) is plain again.
+
+    Example:
+        >>> text = PromptText("Context: Bees have five eyes. Question: Eyes?", ["Bees have five eyes."], "Eyes?")
+        >>> text.chunk_texts, text.question, text.endswith("Eyes?"), type(text + " ") is str
+        (('Bees have five eyes.',), 'Eyes?', True, True)
+    """
+
+    chunk_texts: tuple[str, ...]
+    question: str
+
+    def __new__(cls, text: str, chunk_texts: Any = (), question: str = "") -> PromptText:
+        self = super().__new__(cls, text)
+        self.chunk_texts = tuple(chunk_texts)
+        self.question = question
+        return self
 
 
 class CacheBlendPromptValue(StringPromptValue):
     """A string prompt that also carries its chunks (ids + texts) and its question.
 
     `text` is the documented plain form (`render_prompt`), so any LLM can take it; `CacheBlendLLM` uses the
-    chunks directly.
+    chunks directly: its string form (`to_string()`, what LangChain hands an LLM) is a `PromptText` that carries
+    them.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, use_attribute_docstrings=True)
@@ -35,6 +59,10 @@ class CacheBlendPromptValue(StringPromptValue):
     def is_lc_serializable(cls) -> bool:
         """Not part of LangChain's serializable namespace."""
         return False
+
+    def to_string(self) -> PromptText:
+        """The string form, carrying the chunks and the question (`PromptText`)."""
+        return PromptText(self.text, self.chunk_texts, self.question)
 
     def to_messages(self) -> list[BaseMessage]:
         """The string form as one human message (for chat models)."""
