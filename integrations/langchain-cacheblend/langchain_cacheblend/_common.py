@@ -181,11 +181,13 @@ class EngineFields(BaseModel):
 
 
 def learn_retrieved(model: EngineFields, run_manager: Any, prompt_text: str) -> None:
-    """Queue for ingest the passages retrievers of this run's chain returned that `prompt_text` carries."""
+    """Queue for ingest the passages retrievers of this run's chain returned that `prompt_text` carries: what the
+    `RetrievedPassages` handlers on the run's callback manager recorded for its run tree."""
     if not model.learn_retrieved or run_manager is None:
         return
-    from .callbacks import RETRIEVED
+    from .callbacks import RetrievedPassages
 
-    seen = [t for t in RETRIEVED.texts_for(run_manager.run_id) if t in prompt_text]
+    recorders = [h for h in run_manager.handlers if isinstance(h, RetrievedPassages)]
+    seen = list(dict.fromkeys(t for h in recorders for t in h.texts_for(run_manager.run_id) if t in prompt_text))
     if seen:
         model.get_engine().learn(seen)

@@ -63,8 +63,11 @@ class RetrievedPassages(BaseCallbackHandler):
     `CacheBlendLLM` in the same tree to learn after their answer (`engine.learn`): the next run that retrieves
     those passages reuses their KV, with no `warm_from_vectorstore` step.
 
-    One instance is added to every LangChain run through LangChain's configure hook (as its tracers are) when
-    `langchain_cacheblend` is imported; it keeps the trees of runs in progress only, bounded.
+    The models read it from their run's callback manager (`run_manager.handlers`), so it travels with the run:
+    one passed in `config={"callbacks": [RetrievedPassages()]}` serves that run alone. A default instance is also
+    added to every LangChain run through LangChain's configure hook (as its tracers are) when
+    `langchain_cacheblend` is imported, so a chain invoked with no callbacks learns too; it keeps the trees of
+    runs in progress only, bounded (`max_runs`) and under a lock.
 
     Example:
         >>> passages = RetrievedPassages()
@@ -142,6 +145,7 @@ class RetrievedPassages(BaseCallbackHandler):
 
 
 RETRIEVED = RetrievedPassages()
-"""The instance every LangChain run gets (through the configure hook below)."""
+"""The default instance every LangChain run gets (through the configure hook below): process-wide, so bounded
+and locked; a run's own facts stay keyed by its root run and are dropped when that run ends."""
 _RETRIEVED_VAR: ContextVar[RetrievedPassages | None] = ContextVar("langchain_cacheblend_retrieved", default=RETRIEVED)
 register_configure_hook(_RETRIEVED_VAR, inheritable=True)

@@ -322,3 +322,42 @@ def test_the_tutorial_chain_learns_retrieved_passages_without_a_warm_step(engine
     unlearned = chain.steps[0] | prompt | ChatCacheBlend(engine=off, max_tokens=1, learn_retrieved=False)
     unlearned.invoke(QUESTION)
     assert off.learner.learned == 0 and unlearned.invoke(QUESTION).response_metadata["cacheblend"]["chunk_hits"] == []
+
+
+def test_learning_reads_the_retrieved_passages_on_the_runs_callback_manager():
+    """The models learn what the `RetrievedPassages` handlers on their run's callback manager recorded for the run's
+    tree (one passed in a run's callbacks serves that run alone), not what a module global holds."""
+    from uuid import uuid4
+
+    from langchain_core.callbacks import CallbackManagerForLLMRun
+    from langchain_core.documents import Document
+
+    from langchain_cacheblend._common import learn_retrieved
+    from langchain_cacheblend.callbacks import RetrievedPassages
+
+    own = RetrievedPassages()
+    root, retriever, llm_run = uuid4(), uuid4(), uuid4()
+    own.on_chain_start({}, {}, run_id=root)
+    own.on_retriever_end([Document("Bees have five eyes."), Document("Wax comes from glands.")], run_id=retriever,
+                         parent_run_id=root)
+    own.on_llm_start({}, [], run_id=llm_run, parent_run_id=root)
+    learned: list[list[str]] = []
+
+    class Engine:
+        def learn(self, texts):
+            learned.append(texts)
+
+    class Model:
+        learn_retrieved = True
+
+        def get_engine(self):
+            return Engine()
+
+    def manager(handlers):
+        return CallbackManagerForLLMRun(run_id=llm_run, handlers=handlers, inheritable_handlers=handlers,
+                                        parent_run_id=root)
+
+    learn_retrieved(Model(), manager([own]), "Context: Bees have five eyes.\nHow many eyes?")
+    assert learned == [["Bees have five eyes."]]  # retrieved in the run's tree and carried by the prompt
+    learn_retrieved(Model(), manager([]), "Context: Bees have five eyes.\nHow many eyes?")
+    assert learned == [["Bees have five eyes."]]  # no recorder on the run: nothing to learn
