@@ -502,8 +502,9 @@ def test_lookalike_scores_tell_shared_phrasing_from_shared_text(tokenizer):
 
 
 def test_cacheblend_recomputes_lookalike_pages_whole_and_keeps_the_invariants(tiny):
-    """Among look-alike pages, CacheBlend recomputes every page after the first in full (their rows in every layer),
-    on top of its ratio; ratio 0 is still full reuse, 1 full prefill, and `lookalike=None` turns it off."""
+    """Among look-alike pages, CacheBlend (and relevance) recompute every page after the first in full (their rows in
+    every layer), on top of the ratio; ratio 0 is still full reuse, 1 full prefill, and `lookalike=None` turns it
+    off."""
     _, model, tokenizer = tiny
     engine = CacheBlendEngine(model, tokenizer)
     engine.ingest(LOOKALIKE_PAGES, show_progress=False)
@@ -522,5 +523,8 @@ def test_cacheblend_recomputes_lookalike_pages_whole_and_keeps_the_invariants(ti
     assert min(stats["rows_per_layer"]) >= uncached + sum(later) > min(off["rows_per_layer"])
     distinct = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.15).stats
     assert "lookalike_rows" not in distinct
+    ranked = engine.prefill(LOOKALIKE_PAGES, question, method="relevance", recompute_ratio=0.15).stats
+    assert ranked["lookalike_rows"] == sum(later) and min(ranked["rows_per_layer"]) >= uncached + sum(later)
+    assert _max_diff(engine.prefill(LOOKALIKE_PAGES, question, method="relevance", recompute_ratio=0.0), reuse) == 0.0
     with pytest.raises(ConfigError, match="lookalike"):
         engine.prefill(LOOKALIKE_PAGES, question, recompute_ratio=0.15, lookalike=2.0)

@@ -16,8 +16,11 @@ recomputed in full; the first page of a look-alike group keeps its reused KV.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .policy import RowSelection
 from .sequence import FusedSequence
 
 SHORT, LONG = 3, 8
@@ -55,3 +58,14 @@ def lookalike_rows(seq: FusedSequence, threshold: float) -> torch.Tensor:
         if score > threshold:
             rows |= segments == c
     return rows & seq.reused
+
+
+@dataclass
+class LookalikeRows(RowSelection):
+    """A selection that never narrows, reporting how many reused rows it recomputes as look-alike pages."""
+
+    lookalike_rows: int = 0
+
+    def report(self) -> dict:
+        """{"lookalike_rows": n} when any page looked like an earlier one."""
+        return {"lookalike_rows": self.lookalike_rows} if self.lookalike_rows else {}

@@ -22,6 +22,7 @@ from ...errors import ConfigError
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
 from ..hkvd import question_attention, top_rows
+from ..lookalike import LookalikeRows, lookalike_rows
 from ..loop import LayerView, run_layers
 from ..policy import FusionRequest, Policy, RowSelection
 from ..sequence import FusedSequence
@@ -62,6 +63,7 @@ class Relevance(Policy):
 
     recompute_ratio: float = 0.15  # share of reused rows recomputed, in every layer
     from_layer: int | None = None  # the first layer whose attention counts (None: a third of the way down)
+    lookalike: float | None = 0.2  # recompute in full the pages that look like an earlier one (as CacheBlend does)
     name: ClassVar[str] = "relevance"
 
     def __post_init__(self) -> None:
@@ -69,6 +71,8 @@ class Relevance(Policy):
         if self.from_layer is not None and (isinstance(self.from_layer, bool) or not isinstance(self.from_layer, int)
                                             or self.from_layer < 0):
             raise ConfigError(f"from_layer must be an integer ≥ 0 (or None), got {self.from_layer!r}")
+        if self.lookalike is not None:
+            check_ratio(self.lookalike, "lookalike")
 
     def place(self, cache, request: FusionRequest) -> placement.Placements:
         """The exact prefix and every stored chunk."""
@@ -88,4 +92,7 @@ class Relevance(Policy):
         if first >= adapter.num_layers:
             raise ConfigError(f"from_layer {first} ≥ the model's {adapter.num_layers} layers")
         score = question_relevance(adapter, seq, first)
-        return RowSelection(~seq.cached | top_rows(score, seq, self.recompute_ratio))
+        lookalike = (lookalike_rows(seq, self.lookalike) if self.lookalike is not None
+                     else torch.zeros_like(seq.cached))
+        return LookalikeRows(~seq.cached | top_rows(score, seq, self.recompute_ratio) | lookalike,
+                             lookalike_rows=int(lookalike.sum()))
