@@ -35,7 +35,7 @@ install: $(STAMP)
 
 demo: install
 	$(VENV)/bin/cacheblend-rag ingest examples/data
-	$(VENV)/bin/cacheblend-rag ask "How many eyes does a honeybee have?" --k 4
+	$(VENV)/bin/cacheblend-rag ask "How many eyes does a honeybee have?" --k 4 --compare
 
 test: install
 	$(PY) -m pytest

@@ -203,6 +203,35 @@ def chunk_store(args: argparse.Namespace, *, create: bool = True):
                             ssl=args.chroma_ssl, ca_bundle=args.chroma_ca_bundle, create=create)
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc; else None), interpreter start-up and imports included."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command's name
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_threads(requested: int | None) -> int:
+    """Torch's CPU threads for one latency-bound request: `requested`, else torch's choice (one per core) capped at
+    the cores other processes leave idle (1-minute load average), at least 1. On a busy CPU torch's threads wait
+    on each other at every op: on the project's 2-core machine at load ~4, one prefill took 0.21-0.31 s with one
+    thread and 0.74-12.5 s with two (docs/benchmarks.md, #41)."""
+    import torch
+
+    if requested is not None:
+        return requested
+    threads = torch.get_num_threads()
+    try:
+        idle = (os.cpu_count() or threads) - os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return threads
+    return max(1, min(threads, math.floor(idle + 0.5)))
+
+
 def open_engine(args: argparse.Namespace):
     """The engine (model, KV store tiers) the data arguments name; the device is checked first."""
     from .engine import CacheBlendEngine

@@ -303,11 +303,21 @@ def render_result(content: str) -> dict[str, str]:
 
 
 def may_be_call(text: str, fmt: ToolFormat = GENERIC) -> bool:
-    """Whether streamed text so far is, or may still become, a call (so a stream holds it back)."""
+    """Whether streamed text so far is, or may still become, a call (so a stream holds it back). Once False, it
+    stays False for every continuation of the text; once `call_started`, it stays True."""
     text = text.lstrip()
     if any(text.startswith(opener) or opener.startswith(text) for opener in fmt.openers) or FENCE.startswith(text):
         return True
     return text.startswith(FENCE) and text[len(FENCE):].lstrip()[:1] in ("", "{")
+
+
+def call_started(text: str, fmt: ToolFormat = GENERIC) -> bool:
+    """Whether text so far begins a call for good: `may_be_call` holds for it and for every continuation of it, so a
+    stream holding it back need not look again (looking again at each piece costs the whole held text: #41)."""
+    text = text.lstrip()
+    if any(text.startswith(opener) for opener in fmt.openers):
+        return True
+    return text.startswith(FENCE) and text[len(FENCE):].lstrip()[:1] == "{"
 
 
 def _after(text: str, literal: str) -> str | None:

@@ -87,6 +87,15 @@ def test_ingest_then_ask_json(tmp_path, default_model):
     stats = result["stats"]
     assert stats["per_chunk"] == {cid: "hit" for cid in result["chunks"]}
     assert stats["method"] == "cacheblend" and stats["ttft_s"] > 0 and 0 < stats["recompute_ratio_effective"] < 1
+    # start-up (process start → engine ready) is reported beside the engine's TTFT, never inside it (#41)
+    assert stats["startup_s"] > stats["ttft_s"] and stats["threads"] >= 1 and stats["answer_s"] >= stats["ttft_s"]
+
+    shown = _cli("ask", "How many eyes does a honeybee have?", "--home", str(home), "--k", "3", "--compare",
+                 "--max-new-tokens", "4", "--threads", "1")
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    timing = shown.stdout.strip().splitlines()[-1]  # TTFT, the full prefill's and the speedup, answer, start-up
+    assert timing.startswith("TTFT ") and "full prefill of the same prompt" in timing and "x faster" in timing
+    assert "start-up" in timing and timing.endswith("1 torch thread(s)")
 
 
 @pytest.mark.model
@@ -333,3 +342,18 @@ def test_a_well_known_subcommand_not_installed_says_what_to_install(monkeypatch,
     with pytest.raises(SystemExit) as bad:  # the known-arguments parse still refuses a core command's unknown flag
         cli.main(["prune", "--no-such-flag"])
     assert bad.value.code == 2 and "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_ask_threads_leave_busy_cores_to_others(monkeypatch):
+    import torch
+
+    from cacheblend_rag.cli import cpu_threads, process_age
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0, 4.0, 4.0))
+    assert cpu_threads(None) == 1 and cpu_threads(2) == 2  # busy: one thread; asked: as asked
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.2, 0.2, 0.2))
+    assert cpu_threads(None) == 2  # idle: torch's choice
+    age = process_age()
+    assert age is None or age > 0

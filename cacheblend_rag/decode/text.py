@@ -10,24 +10,45 @@ import logging
 logger = logging.getLogger(__name__)
 
 
+CONTEXT_TOKENS = 6  # printed tokens decoded again before the new ones, so each token decodes as it does in its line
+
+
 class IncrementalText:
     """Text of a growing list of token ids, handed out piece by piece as each token arrives (as the streamer
-    does: only an incomplete UTF-8 sequence waits); decoding restarts after a newline so each call stays cheap."""
+    does: only an incomplete UTF-8 sequence waits).
+
+    Each push decodes a bounded window, not the answer so far: the tokens not yet wholly printed plus
+    CONTEXT_TOKENS printed ones before them (so a token's leading space and the tokenizer's clean-up see the same
+    neighbours as in the whole text), and hands out what the window's text adds past the printed part. Once all
+    of the window's text is printed the window moves up to its end; decoding restarts after a newline, as the
+    whole-line decode it replaces did. `ids_decoded` counts the token ids passed to `decode` (a bounded number
+    per token, however long the answer: tests pin it)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._printed = 0
+        self._ids: list[int] = []  # the window: the line's last ids, CONTEXT_TOKENS printed ones first
+        self._base = 0  # the window's ids before this one are wholly printed
+        self._printed = 0  # characters of the window's text already handed out
+        self.ids_decoded = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        self.ids_decoded += len(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         """The new printable text after `token_id`."""
         self._ids.append(token_id)
-        text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
+        text = self._decode(self._ids)
         stable = len(text.rstrip("\ufffd"))
         piece = text[self._printed:stable]
         self._printed = max(self._printed, stable)
         if text.endswith("\n"):
-            self._ids, self._printed = [], 0
+            self._ids, self._base, self._printed = [], 0, 0
+        elif stable == len(text) and len(self._ids) - self._base >= CONTEXT_TOKENS:
+            # all printed: the window keeps its last CONTEXT_TOKENS ids, their text counted as printed
+            del self._ids[:-CONTEXT_TOKENS]
+            self._base = CONTEXT_TOKENS
+            self._printed = len(self._decode(self._ids))
         return piece
 
 

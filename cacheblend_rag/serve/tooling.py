@@ -147,6 +147,70 @@ def _head(fmt: ToolFormat) -> re.Pattern | None:
                       + args_key + r'\s*:\s*')
 
 
+class ArgsScan:
+    """Where a call's arguments (a JSON value from `start` in a growing text) end, found in one pass over the
+    text: strings, escapes and bracket depth are tracked from where the last call left off, and the value is
+    parsed (`json.JSONDecoder.raw_decode`, the judge) only where the scan sees it close: once per value, not per
+    piece. A value that does not start with "{" or "[" is parsed whole at each call, as before."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.pos = start  # the next character to scan
+        self.depth = 0
+        self.in_string = self.escaped = self.began = False
+        self.failed = False  # the value closed and did not parse: more text cannot mend it
+        self.end: int | None = None  # where the value ends, once it closed and parsed
+        self.chars_scanned = 0  # characters looked at so far (tests pin that each is looked at once)
+
+    def feed(self, text: str) -> int | None:
+        """The end of the value in `text` (which only grows), or None while it is incomplete."""
+        if self.failed or self.end is not None:
+            return self.end
+        if not self.began:
+            first = len(text) - len(text[self.pos:].lstrip())
+            if first >= len(text):
+                self.chars_scanned += len(text) - self.pos
+                self.pos = len(text)
+                return None
+            if text[first] not in "{[":  # a scalar: parse whole (arguments are objects; never streamed long)
+                return self._parse(text, first)
+            self.began, self.pos, self.first = True, first, first
+        i, depth, in_string, escaped = self.pos, self.depth, self.in_string, self.escaped
+        n = len(text)
+        while i < n:
+            ch = text[i]
+            i += 1
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth <= 0:
+                    break
+        self.chars_scanned += i - self.pos
+        self.pos, self.depth, self.in_string, self.escaped = i, depth, in_string, escaped
+        if depth > 0 or i == self.first:
+            return None
+        self.end = self._parse(text, self.first)
+        self.failed = self.end is None
+        return self.end
+
+    @staticmethod
+    def _parse(text: str, first: int) -> int | None:
+        try:
+            return _DECODER.raw_decode(text, first)[1]
+        except json.JSONDecodeError:
+            return None
+
+
 class CallStream:
     """Streamed text pieces → chat deltas (`{"content"}` or `{"tool_calls": [...]}`), the call's arguments
     streamed as they are decoded.
@@ -155,7 +219,11 @@ class CallStream:
     complete the call's header goes out, then its arguments' text except a tail that may be the call's closing
     `}</tool_call>`; once its arguments close, what follows may be the next call (parallel calls, index 1, 2, ...).
     A call whose text does not match that shape goes out whole at the end, or as content when it is not a
-    well-formed call (cut by max_tokens)."""
+    well-formed call (cut by max_tokens).
+
+    Each piece costs work on the piece, not on the text so far (#41): the arguments' JSON is scanned once, a
+    character at a time (`ArgsScan`), and parsed only once the scan sees its value close; the hold-back looks at
+    the last "}" and what follows it."""
 
     def __init__(self, functions: Sequence[dict[str, Any]], fmt: ToolFormat = GENERIC) -> None:
         self.functions = list(functions)
@@ -164,10 +232,14 @@ class CallStream:
         self.head = _head(fmt) if fmt.between is None or fmt.call_separator is not None else None
         self.closing = re.compile(r"\s*\}" + _spaced(fmt.suffix))
         self.tail = re.compile(r"\}" + _spaced(fmt.suffix) + r"\s*$")
-        self.text = ""  # everything seen
+        self.close = fmt.suffix.strip()
+        self.text = ""  # everything seen (since the last complete call)
         self.mode = "undecided"  # "text" once it cannot be a call, "args" once the call's header went out
+        self.started = False  # undecided text that begins a call for good (`tools.call_started`)
         self.args_start = 0  # where the arguments' text starts in `text`
         self.sent = 0  # characters of the arguments' text already sent
+        self.scan: ArgsScan | None = None  # the arguments' JSON, scanned so far
+        self.brace = -1  # where the last "}" of the arguments' text is in `text`
         self.calls = 0
 
     def _header(self, name: str, arguments: str = "") -> dict:
@@ -180,13 +252,11 @@ class CallStream:
 
     def _call_end(self) -> tuple[int, int] | None:
         """(where the streamed call's arguments end, where its closing tag ends) in `text`, once both are there."""
-        args = self.text[self.args_start:]
-        try:
-            _, end = _DECODER.raw_decode(args, len(args) - len(args.lstrip()))
-        except json.JSONDecodeError:
+        end = self.scan.feed(self.text)
+        if end is None:
             return None
-        closing = self.closing.match(args, end)
-        return None if closing is None else (self.args_start + end, self.args_start + closing.end())
+        closing = self.closing.match(self.text, end)
+        return None if closing is None else (end, closing.end())
 
     def feed(self, piece: str) -> list[dict]:
         """The deltas this piece releases."""
@@ -194,13 +264,15 @@ class CallStream:
         if self.mode == "text":
             return [{"content": piece}] if piece else []
         if self.mode == "undecided":
-            stripped = self.text.lstrip()
-            if not stripped:
-                return []
-            if not generic_tools.may_be_call(stripped, self.format):
-                self.mode = "text"
-                return [{"content": stripped}]
-            head = self.head.match(self.text) if self.head is not None else None
+            if not self.started:
+                stripped = self.text.lstrip()
+                if not stripped:
+                    return []
+                if not generic_tools.may_be_call(stripped, self.format):
+                    self.mode = "text"
+                    return [{"content": stripped}]
+                self.started = generic_tools.call_started(stripped, self.format)
+            head = self.head.match(self.text) if self.head is not None else None  # anchored: reads the head only
             if head is None:
                 return []
             try:
@@ -209,8 +281,12 @@ class CallStream:
                 return []
             if name not in {f["name"] for f in self.functions}:
                 return []  # left to the final parse
-            self.mode, self.args_start = "args", head.end()
+            self.mode, self.args_start, self.scan = "args", head.end(), ArgsScan(head.end())
+            self.brace = self.text.rfind("}", self.args_start)  # the arguments' text so far: this piece's end
             return [self._header(name), *self._after_args()]
+        brace = piece.rfind("}")
+        if brace >= 0:
+            self.brace = len(self.text) - len(piece) + brace
         return self._after_args()
 
     def _after_args(self) -> list[dict]:
@@ -221,25 +297,29 @@ class CallStream:
         args_end, call_end = end
         out = [self._arguments(self.text[self.args_start + self.sent:args_end])] \
             if args_end > self.args_start + self.sent else []
-        self.text, self.mode, self.sent = self.text[call_end:], "undecided", 0
+        self.text, self.mode, self.sent, self.started, self.scan = self.text[call_end:], "undecided", 0, False, None
         return out + self.feed("")
 
     def _release(self, final: bool) -> list[dict]:
-        args = self.text[self.args_start:]
+        text, start = self.text, self.args_start
         if final:
-            tail = self.tail.search(args)
-            end = tail.start() if tail else len(args)
+            tail = self.tail.search(text, start)
+            end = (tail.start() if tail else len(text)) - start
         else:  # hold back from the last "}" when all after it may still be the closing `}</tool_call>`
-            end = len(args.rstrip())
-            brace = args.rfind("}")
-            if brace >= 0:
-                after = args[brace + 1:].lstrip()
-                close = self.format.suffix.strip()
-                if close.startswith(after) or after.startswith(close):
-                    end = min(end, brace)
+            stop = len(text)
+            while stop > start and text[stop - 1].isspace():
+                stop -= 1
+            end = stop - start
+            if self.brace >= start:
+                after = self.brace + 1
+                while after < len(text) and text[after].isspace():
+                    after += 1
+                if text.startswith(self.close, after) or (len(text) - after <= len(self.close)
+                                                          and self.close.startswith(text[after:])):
+                    end = min(end, self.brace - start)
         if end <= self.sent:
             return []
-        piece, self.sent = args[self.sent:end], end
+        piece, self.sent = text[start + self.sent:start + end], end
         return [self._arguments(piece)]
 
     def finish(self) -> list[dict]:

@@ -340,10 +340,12 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         functions = turn.functions
         stats: dict = {}
         held = ""  # with tools: text that may still become a call is held back until the answer ends
+        started = False  # the held text begins a call for good: no need to look at it again each piece
         sent = False
         for piece in self._pieces(engine, chat, settings, stats):
-            if functions and generic_tools.may_be_call(held + piece, fmt):
+            if functions and (started or generic_tools.may_be_call(held + piece, fmt)):
                 held += piece
+                started = started or generic_tools.call_started(held, fmt)
                 continue
             piece, held, sent = held + piece, "", True
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))

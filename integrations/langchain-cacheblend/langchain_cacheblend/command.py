@@ -10,9 +10,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from cacheblend_rag.arguments import positive_int
-from cacheblend_rag.cli import add_data_arguments, chunk_store, check_device, open_engine, policy_option, ratio_arg
+from cacheblend_rag.cli import (
+    add_data_arguments,
+    check_device,
+    chunk_store,
+    cpu_threads,
+    open_engine,
+    policy_option,
+    process_age,
+    ratio_arg,
+)
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import POLICIES
 from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO
@@ -39,6 +49,11 @@ def add_ask(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help='stop the answer at TEXT (repeatable; default: a blank line or a new "Question:" line; '
                         '--stop "" for none)')
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="torch CPU threads (default: one per core that other processes leave idle, at least 1)")
+    p.add_argument("--compare", action="store_true",
+                   help="also time a full prefill of the same prompt in this process (one token) and print the "
+                        "speedup; the engine's TTFT is the prefill alone, start-up is printed beside it")
     p.add_argument("--json", action="store_true", help="print one JSON object: answer, chunks, stats")
     p.set_defaults(func=_run_ask)
 
@@ -65,6 +80,7 @@ def _merge_stats(requests: list[dict], chain: str) -> dict:
 
 
 def _run_ask(args: argparse.Namespace) -> int:
+    import torch
     from langchain_cacheblend.callbacks import StatsCallbackHandler
     from langchain_cacheblend.chains import create_map_reduce_chain, create_map_rerank_chain, create_stuff_chain
     from langchain_cacheblend.llms import CacheBlendLLM
@@ -74,12 +90,14 @@ def _run_ask(args: argparse.Namespace) -> int:
         raise ConfigError('the question is empty; ask something, e.g. cacheblend-rag ask "How many eyes does a '
                           'honeybee have?"')
     check_device(args.device)
+    torch.set_num_threads(cpu_threads(args.threads))
     store = chunk_store(args, create=False)
     if store.count() == 0:
         print(f"error: collection {args.collection!r} at {store.location} is empty: nothing to answer from; run "
               "`cacheblend-rag ingest PATH` with the same --home/--collection first", file=sys.stderr)
         return 1
     engine = open_engine(args)
+    startup_s = process_age()  # process start → engine ready: interpreter, imports, Chroma, model load
     method = args.method if args.method in POLICIES else "cacheblend"
     # One paragraph by default; a base model (no chat template, e.g. gemma3-270m) answering the plain template's
     # "Question: ...\nAnswer:" goes on to write the next "Question:" after a single newline.
@@ -90,9 +108,18 @@ def _run_ask(args: argparse.Namespace) -> int:
     make = {"map_reduce": create_map_reduce_chain, "map_rerank": create_map_rerank_chain}.get(args.method,
                                                                                              create_stuff_chain)
     handler = StatsCallbackHandler()
+    started = time.perf_counter()
     answer = make(retriever, llm).invoke(args.question, config={"callbacks": [handler]})
+    answer_s = time.perf_counter() - started
     chunk_ids = handler.retrieved[-1] if handler.retrieved else []
     stats = _merge_stats(handler.requests, args.method if args.method in CHAINS else "stuff")
+    stats.update(startup_s=startup_s, answer_s=answer_s, threads=torch.get_num_threads())
+    if args.compare and args.method not in CHAINS and method != "full_prefill":
+        # the same chain and prompt, fully prefilled, after the answer (any first-call cost was the answer's)
+        base = CacheBlendLLM(engine=engine, model=args.model, method="full_prefill", max_new_tokens=1)
+        baseline = StatsCallbackHandler()
+        make(retriever, base).invoke(args.question, config={"callbacks": [baseline]})
+        stats["full_prefill_ttft_s"] = baseline.requests[-1].get("ttft_s") if baseline.requests else None
     if args.json:
         print(json.dumps({"answer": answer, "chunks": chunk_ids, "stats": stats}))
         return 0
@@ -103,7 +130,22 @@ def _run_ask(args: argparse.Namespace) -> int:
            f"chunks: {len(chunk_ids)} retrieved, {hits} KV hits, {len(per_chunk) - hits} misses"
     if stats.get("method") == "cacheblend" and "recompute_ratio_effective" in stats:
         line += f"; recomputed {100 * stats['recompute_ratio_effective']:.1f}% of reused tokens"
-    if stats.get("ttft_s") is not None:
-        line += f"; TTFT {stats['ttft_s']:.3f} s"
     print(line)
+    print(_timing_line(stats))
     return 0
+
+
+def _timing_line(stats: dict) -> str:
+    """TTFT (the engine's prefill alone), the speedup over a full prefill when compared, then what came before and
+    after it: start-up (process start → engine ready) and the whole answer."""
+    parts = []
+    ttft, full = stats.get("ttft_s"), stats.get("full_prefill_ttft_s")
+    if ttft is not None:
+        parts.append(f"TTFT {ttft:.3f} s (the engine's prefill of {stats.get('num_tokens', '?')} tokens)")
+        if full:
+            parts.append(f"full prefill of the same prompt {full:.3f} s: {full / ttft:.1f}x faster")
+    parts.append(f"answer {stats['answer_s']:.1f} s")
+    if stats.get("startup_s") is not None:
+        parts.append(f"start-up {stats['startup_s']:.1f} s (process start → engine ready: imports, Chroma, model)")
+    parts.append(f"{stats['threads']} torch thread(s)")
+    return "; ".join(parts)

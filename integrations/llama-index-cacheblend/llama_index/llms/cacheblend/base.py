@@ -500,9 +500,11 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
 
         def gen() -> ChatResponseGen:
             text, held = "", ""
+            started = False  # the held text begins a call for good: no need to look at it again each piece
             for piece in pieces:
-                if functions and not text and generic_tools.may_be_call(held + piece, fmt):
+                if functions and not text and (started or generic_tools.may_be_call(held + piece, fmt)):
                     held += piece
+                    started = started or generic_tools.call_started(held, fmt)
                     continue
                 piece, held = held + piece, ""
                 text += piece
