@@ -45,15 +45,15 @@ def lookalike_scores(pages: list[list[int]]) -> list[float]:
     return scores
 
 
-def lookalike_rows(seq: FusedSequence, threshold: float) -> torch.Tensor:
-    """(N,) bool: the reused rows of every chunk whose look-alike score is above `threshold`."""
+def lookalike_rows(seq: FusedSequence, threshold: float | None) -> torch.Tensor:
+    """(N,) bool: the reused rows of every chunk whose look-alike score is above `threshold` (None: none)."""
     rows = torch.zeros_like(seq.cached)
     segments = seq.segment_of_row
     chunk_ids = sorted(set(segments[segments >= 0].tolist()))  # every chunk, an exact first one included
-    if len(chunk_ids) < 2:
+    if threshold is None or len(chunk_ids) < 2:
         return rows
-    ids = seq.token_ids.tolist()
-    pages = [[ids[i] for i in (segments == c).nonzero().squeeze(1).tolist()] for c in chunk_ids]
+    ids = seq.token_ids
+    pages = [ids[segments == c].tolist() for c in chunk_ids]
     for c, score in zip(chunk_ids, lookalike_scores(pages)):
         if score > threshold:
             rows |= segments == c

@@ -117,13 +117,13 @@ class CacheBlend(Policy):
             raise ConfigError(f"check layer {last_check} ≥ the model's {adapter.num_layers} layers")
         filters = self.candidate_factor > 1.0 and self.filter_layer < adapter.num_layers
         # between full reuse and full prefill only: the ratios' ends stay what they are
-        lookalike = lookalike_rows(seq, self.lookalike) if self.lookalike is not None else torch.zeros_like(heads)
+        lookalike = lookalike_rows(seq, self.lookalike)
         heads = heads | lookalike
         # every row whose KV is not exact already, up to the last check layer
         return HKVDSelection(~seq.exact, last_check + 1, policy=self, heads=heads,
                              first_ratio=self.candidate_ratio if filters else self.recompute_ratio,
                              filter_layer=self.filter_layer if filters else None, guard=guard,
-                             lookalike_rows=int((lookalike & reused).sum()))
+                             lookalike_rows=int(lookalike.sum()))
 
 
 @dataclass

@@ -92,7 +92,6 @@ class Relevance(Policy):
         if first >= adapter.num_layers:
             raise ConfigError(f"from_layer {first} ≥ the model's {adapter.num_layers} layers")
         score = question_relevance(adapter, seq, first)
-        lookalike = (lookalike_rows(seq, self.lookalike) if self.lookalike is not None
-                     else torch.zeros_like(seq.cached))
+        lookalike = lookalike_rows(seq, self.lookalike)
         return LookalikeRows(~seq.cached | top_rows(score, seq, self.recompute_ratio) | lookalike,
                              lookalike_rows=int(lookalike.sum()))
