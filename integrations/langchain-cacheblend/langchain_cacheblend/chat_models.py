@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
+from types import MappingProxyType
 from typing import Any, Literal
 
 from cacheblend_rag import tools as generic_tools
@@ -71,7 +72,7 @@ class StructuredOutputError(OutputParserException):
         cut: raise max_tokens
     """
 
-_ROLES = {"system": "system", "human": "user", "ai": "assistant"}
+_ROLES = MappingProxyType({"system": "system", "human": "user", "ai": "assistant"})
 
 
 _CALL_BLOCKS = ("tool_call", "tool_use", "tool_call_chunk", "function_call")  # an AIMessage's calls, as blocks

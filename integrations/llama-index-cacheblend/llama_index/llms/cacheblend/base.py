@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from cacheblend_rag import tools as generic_tools
@@ -288,8 +289,9 @@ def install_query_stats_handler() -> QueryStatsHandler:
     return handler
 
 
-_ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
-          MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant", MessageRole.DEVELOPER: "system"}
+_ROLES = MappingProxyType({MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
+                           MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+                           MessageRole.DEVELOPER: "system"})
 
 
 def to_chat_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) -> list[dict[str, Any]]:
