@@ -245,17 +245,9 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         if schema is not None:
             chat = generic_tools.with_system_text(chat, generic_tools.schema_prompt(schema))
         # bind_tools(..., parallel_tool_calls=True) lets an answer hold several calls
-        if answer:
-            turn = generic_tools.answer_turn(shaped, kwargs.get("tools") or [], bool(kwargs.get("parallel_tool_calls")),
-                                             fmt)
-        else:
-            turn = generic_tools.tool_turn(chat, kwargs.get("tools") or [], kwargs.get("tool_choice"),
-                                           bool(kwargs.get("parallel_tool_calls")), fmt,
-                                           generic_tools.answered_calls(shaped))
-        if turn.grammar is not None:
-            settings["grammar"] = turn.grammar
-        if turn.tools is not None:
-            settings["tools"] = turn.tools
+        turn = generic_tools.chat_turn(shaped, kwargs.get("tools") or [], kwargs.get("tool_choice"),
+                                       bool(kwargs.get("parallel_tool_calls")), fmt, answer, chat)
+        settings.update(turn.request_settings())
         return turn.messages, settings, turn, fmt
 
     def _metadata(self, engine: CacheBlendEngine, stats: dict) -> dict[str, Any]:

@@ -563,16 +563,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
         parallel = bool(kwargs.pop("parallel_tool_calls", False))
         fmt = ToolFormat.of(self.engine.tokenizer)
-        shaped = _shaped(messages)
-        if answer:
-            turn = generic_tools.answer_turn(shaped, tools or [], parallel, fmt)
-        else:
-            turn = generic_tools.tool_turn(fmt.chat_messages(shaped), tools or [], choice, parallel, fmt,
-                                           generic_tools.answered_calls(shaped))
-        if turn.grammar is not None:
-            kwargs["grammar"] = turn.grammar
-        if turn.tools is not None:
-            kwargs["tools"] = turn.tools
+        turn = generic_tools.chat_turn(_shaped(messages), tools or [], choice, parallel, fmt, answer)
+        kwargs.update(turn.request_settings())
         return turn.messages, kwargs, turn, fmt
 
     @llm_chat_callback()
