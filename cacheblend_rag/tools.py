@@ -228,6 +228,11 @@ class ToolTurn:
         return self.choice == "auto" and bool(calls) and all(call_key(c.name, c.arguments) in self.answered
                                                               for c in calls)
 
+    def request_settings(self) -> dict[str, Any]:
+        """What the turn sets on the engine's request (`Request.of` keywords): its grammar and the tools its chat
+        template lists, those it has."""
+        return {key: value for key, value in (("grammar", self.grammar), ("tools", self.tools)) if value is not None}
+
 
 def tool_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], choice: Any = None,
               parallel: bool = False, fmt: ToolFormat = GENERIC,
@@ -245,6 +250,18 @@ def tool_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]
     if fmt.native:
         return ToolTurn(list(messages), grammar, called, template_tools(functions), choice, answered)
     return ToolTurn(with_tools_prompt(messages, functions, parallel), grammar, called, None, choice, answered)
+
+
+def chat_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], choice: Any = None,
+              parallel: bool = False, fmt: ToolFormat = GENERIC, answer: bool = False,
+              rendered: Sequence[dict[str, Any]] | None = None) -> ToolTurn:
+    """An integration's chat call with these tools bound: `messages` OpenAI-shaped (before `fmt` renders them);
+    `tool_turn` over `rendered` (default `fmt.chat_messages(messages)`) with the conversation's answered calls, or,
+    with `answer`, the plain answer after an "auto" answer that only repeated them (`answer_turn`)."""
+    if answer:
+        return answer_turn(messages, tools, parallel, fmt)
+    chat = fmt.chat_messages(messages) if rendered is None else rendered
+    return tool_turn(chat, tools, choice, parallel, fmt, answered_calls(messages))
 
 
 def answer_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], parallel: bool = False,

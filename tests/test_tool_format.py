@@ -15,7 +15,16 @@ from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.request import Request
 from cacheblend_rag.tool_format import GENERIC, ToolFormat
-from cacheblend_rag.tools import functions_of, may_be_call, parse_tool_calls, tool_grammar, tool_turn
+from cacheblend_rag.tools import (
+    answer_turn,
+    answered_calls,
+    chat_turn,
+    functions_of,
+    may_be_call,
+    parse_tool_calls,
+    tool_grammar,
+    tool_turn,
+)
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 NAMES = ("hermes", "llama_json", "mistral")
@@ -86,6 +95,23 @@ def test_calls_the_template_renders_parse_back_and_may_be_held_back(tokenizer, n
     assert [(c.name, c.arguments) for c in parsed] == [(c["name"], c["arguments"]) for c in calls] and content == ""
     assert may_be_call(answer[:3], fmt) and not may_be_call("Paris is sunny.", fmt)
     assert parse_tool_calls("Paris is sunny.", functions_of([WEATHER]), fmt) == ("Paris is sunny.", [])
+
+
+def test_an_integrations_chat_turn_and_the_request_settings_it_adds():
+    """Both integrations' chat calls build their turn with `chat_turn`: `tool_turn` over the rendered messages with
+    the conversation's answered calls, or `answer_turn` for the plain answer after a repeated call."""
+    call = {"id": "call00001", "name": "get_weather", "arguments": {"city": "Paris"}}
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "content": "Sunny, 21 degrees.", "tool_call_id": "call00001"}]
+    turn = chat_turn(history, [WEATHER], "auto", fmt=GENERIC)
+    assert turn == tool_turn(GENERIC.chat_messages(history), [WEATHER], "auto", fmt=GENERIC,
+                             answered=answered_calls(history)) and turn.answered
+    assert turn.request_settings() == {"grammar": turn.grammar}  # the generic format: the template lists no tools
+    assert chat_turn(history, [WEATHER], "auto", fmt=GENERIC, answer=True) == answer_turn(history, [WEATHER])
+    rendered = [{"role": "system", "content": "Answer briefly."}, *GENERIC.chat_messages(history)]
+    assert chat_turn(history, [WEATHER], fmt=GENERIC, rendered=rendered).messages[0]["content"].startswith(
+        "Answer briefly.\n\nYou have these tools:")  # the rendered messages given, the tools' text added
+    assert chat_turn(ASK, []).request_settings() == {}
 
 
 @pytest.mark.model

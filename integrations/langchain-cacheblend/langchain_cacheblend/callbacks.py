@@ -7,7 +7,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
@@ -64,10 +64,11 @@ class RetrievedPassages(BaseCallbackHandler):
     those passages reuses their KV, with no `warm_from_vectorstore` step.
 
     The models read it from their run's callback manager (`run_manager.handlers`), so it travels with the run:
-    one passed in `config={"callbacks": [RetrievedPassages()]}` serves that run alone. A default instance is also
-    added to every LangChain run through LangChain's configure hook (as its tracers are) when
-    `langchain_cacheblend` is imported, so a chain invoked with no callbacks learns too; it keeps the trees of
-    runs in progress only, bounded (`max_runs`) and under a lock.
+    one passed in `config={"callbacks": [RetrievedPassages()]}` serves that run alone. A run that has none gets a
+    new one at its root through LangChain's configure hook (as its tracers are added), inherited by every run it
+    calls, so a chain invoked with no callbacks learns too: each run tree has its own, dropped with the tree's
+    callback managers, and no instance is shared between requests. It is bounded (`max_runs`) and locked, since
+    one passed by the user may serve many runs, from several threads.
 
     Example:
         >>> passages = RetrievedPassages()
@@ -144,8 +145,18 @@ class RetrievedPassages(BaseCallbackHandler):
             return list(dict.fromkeys(self._texts.get(self._root(run_id), ())))
 
 
-RETRIEVED = RetrievedPassages()
-"""The default instance every LangChain run gets (through the configure hook below): process-wide, so bounded
-and locked; a run's own facts stay keyed by its root run and are dropped when that run ends."""
-_RETRIEVED_VAR: ContextVar[RetrievedPassages | None] = ContextVar("langchain_cacheblend_retrieved", default=RETRIEVED)
-register_configure_hook(_RETRIEVED_VAR, inheritable=True)
+class _NewPerRunTree:
+    """What LangChain's configure hook reads in place of a context variable: `get()` is a new `RetrievedPassages`
+    each time, which `CallbackManager.configure` adds (as inheritable) only where the run's manager holds no
+    `RetrievedPassages` yet, i.e. at the root of a run tree; the runs below inherit that one. Stateless: the
+    passages live on the run tree's callback managers, not here."""
+
+    def get(self) -> RetrievedPassages:
+        """A new recorder, for a run tree that has none."""
+        return RetrievedPassages()
+
+
+# LangChain's own registry of handlers added to every run (as `langchain_core.callbacks.usage` registers its own at
+# import); what the hook adds is a new, per-tree handler: no process-wide instance.
+register_configure_hook(cast("ContextVar[RetrievedPassages | None]", _NewPerRunTree()), inheritable=True,
+                        handle_class=RetrievedPassages)

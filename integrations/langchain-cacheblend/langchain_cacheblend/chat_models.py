@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
+from types import MappingProxyType
 from typing import Any, Literal
 
 from cacheblend_rag import tools as generic_tools
@@ -71,7 +72,7 @@ class StructuredOutputError(OutputParserException):
         cut: raise max_tokens
     """
 
-_ROLES = {"system": "system", "human": "user", "ai": "assistant"}
+_ROLES = MappingProxyType({"system": "system", "human": "user", "ai": "assistant"})
 
 
 _CALL_BLOCKS = ("tool_call", "tool_use", "tool_call_chunk", "function_call")  # an AIMessage's calls, as blocks
@@ -244,17 +245,9 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         if schema is not None:
             chat = generic_tools.with_system_text(chat, generic_tools.schema_prompt(schema))
         # bind_tools(..., parallel_tool_calls=True) lets an answer hold several calls
-        if answer:
-            turn = generic_tools.answer_turn(shaped, kwargs.get("tools") or [], bool(kwargs.get("parallel_tool_calls")),
-                                             fmt)
-        else:
-            turn = generic_tools.tool_turn(chat, kwargs.get("tools") or [], kwargs.get("tool_choice"),
-                                           bool(kwargs.get("parallel_tool_calls")), fmt,
-                                           generic_tools.answered_calls(shaped))
-        if turn.grammar is not None:
-            settings["grammar"] = turn.grammar
-        if turn.tools is not None:
-            settings["tools"] = turn.tools
+        turn = generic_tools.chat_turn(shaped, kwargs.get("tools") or [], kwargs.get("tool_choice"),
+                                       bool(kwargs.get("parallel_tool_calls")), fmt, answer, chat)
+        settings.update(turn.request_settings())
         return turn.messages, settings, turn, fmt
 
     def _metadata(self, engine: CacheBlendEngine, stats: dict) -> dict[str, Any]:

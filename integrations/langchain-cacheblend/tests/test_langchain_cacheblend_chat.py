@@ -361,3 +361,37 @@ def test_learning_reads_the_retrieved_passages_on_the_runs_callback_manager():
     assert learned == [["Bees have five eyes."]]  # retrieved in the run's tree and carried by the prompt
     learn_retrieved(Model(), manager([]), "Context: Bees have five eyes.\nHow many eyes?")
     assert learned == [["Bees have five eyes."]]  # no recorder on the run: nothing to learn
+
+
+def test_each_run_tree_gets_its_own_retrieved_passages():
+    """#37: a chain invoked with no callbacks gets a `RetrievedPassages` of its own at its root (LangChain's
+    configure hook), which every run below it shares; no instance is shared between two invocations, nor kept by
+    the module, and one passed in `callbacks` is used instead."""
+    from langchain_core.retrievers import BaseRetriever
+    from langchain_core.runnables import RunnableLambda, RunnableParallel
+
+    import langchain_cacheblend.callbacks as callbacks
+    from langchain_cacheblend.callbacks import RetrievedPassages
+
+    class Retriever(BaseRetriever):
+        def _get_relevant_documents(self, query, *, run_manager):
+            return [Document("Bees have five eyes.")]
+
+    seen: list[tuple[list[RetrievedPassages], list[str]]] = []
+
+    def model_step(value, config):  # where a chat model sits: after the retriever, in a sibling branch's tree
+        manager = config["callbacks"]
+        recorders = [h for h in manager.handlers if isinstance(h, RetrievedPassages)]
+        seen.append((recorders, [t for h in recorders for t in h.texts_for(manager.parent_run_id)]))
+        return value
+
+    chain = RunnableParallel(context=Retriever(), question=lambda q: q) | RunnableLambda(model_step)
+    chain.invoke("eyes?")
+    chain.invoke("eyes?")
+    (first, first_texts), (second, second_texts) = seen
+    assert len(first) == len(second) == 1 and first[0] is not second[0]  # one per run tree, none shared
+    assert first_texts == second_texts == ["Bees have five eyes."]
+    own = RetrievedPassages()
+    chain.invoke("eyes?", config={"callbacks": [own]})
+    assert seen[-1][0] == [own] and seen[-1][1] == ["Bees have five eyes."]
+    assert not [name for name, value in vars(callbacks).items() if isinstance(value, RetrievedPassages)]

@@ -231,3 +231,45 @@ def test_as_query_engine_learns_retrieved_passages_without_a_warm_step(chroma_in
         assert Settings.llm.engine.learner.learned == 0 and qe.query(QUESTION).metadata["cacheblend"]["chunk_hits"] == []
     finally:
         Settings._llm, Settings._embed_model = saved
+
+
+def test_a_request_learns_what_its_own_span_tree_retrieved(li_engine, monkeypatch):
+    """#37: what a request retrieved lives on its span tree (kept by the root dispatcher's `QueryStatsHandler`),
+    not in the thread's context: a later request on the same thread that retrieved nothing learns nothing, while
+    its own tree's retrieval is learned even when the LLM is called after that tree's root span ended."""
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+    from llama_index.core.instrumentation.span import active_span_id
+
+    learned: list[list[str]] = []
+    monkeypatch.setattr(li_engine, "learn", lambda texts: learned.append(list(texts)))
+    llm = CacheBlendLLM(engine=li_engine, max_new_tokens=1)
+    passage = "Honeybees have five eyes: two large compound eyes and three small ocelli."
+    prompt = f"{passage}\nHow many eyes does a honeybee have?"
+    dispatcher = get_dispatcher()
+
+    @dispatcher.span
+    def retrieve() -> str | None:
+        dispatcher.event(RetrievalEndEvent(str_or_query_bundle="eyes?",
+                                           nodes=[NodeWithScore(node=TextNode(text=passage), score=1.0)]))
+        return active_span_id.get()
+
+    @dispatcher.span
+    def retrieve_then_answer() -> None:
+        retrieve()
+        llm.complete(prompt)
+
+    @dispatcher.span
+    def answer() -> None:
+        llm.complete(prompt)
+
+    retrieve_then_answer()
+    assert learned == [[passage]]
+    answer()  # another request, which retrieved nothing
+    assert learned == [[passage]]
+    token = active_span_id.set(retrieve())  # a call its tree makes after the tree's root ended (a stream read late)
+    try:
+        llm.complete(prompt)
+    finally:
+        active_span_id.reset(token)
+    assert learned == [[passage], [passage]]

@@ -3,16 +3,20 @@
 Every prompt — LlamaIndex's own text-QA / refine templates, chat messages of a chat engine — goes to
 `engine.generate_prompt`, which reuses the cached KV of each stored chunk that appears in it verbatim.
 The stats of each call are in the response's `additional_kwargs`, and a query's stats in its
-`Response.metadata["cacheblend"]` (attached by an instrumentation event handler at the query's end).
+`Response.metadata["cacheblend"]` (attached at the query's end by `QueryStatsHandler`, an instrumentation handler
+that keeps each request's facts by span tree).
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from cacheblend_rag import tools as generic_tools
 from cacheblend_rag.tool_format import GENERIC, ToolFormat
@@ -39,6 +43,8 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+from llama_index.core.instrumentation.span import SimpleSpan, active_span_id
+from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
 from llama_index.core.schema import MetadataMode
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
@@ -58,19 +64,7 @@ def _call_settings() -> set[str]:
     return set(CALL_SETTINGS) | all_option_names()
 
 
-# Stats of the LLM calls of each query in progress (innermost last); lists are shared with worker threads.
-_QUERY_CALLS: contextvars.ContextVar[tuple[list[dict], ...]] = contextvars.ContextVar("cacheblend_query_calls",
-                                                                                      default=())
-
-# Texts of the nodes retrieved in this context (the latest last, bounded): the LLM learns those its prompt carried.
-_RETRIEVED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("cacheblend_retrieved", default=())
-MAX_RETRIEVED = 64
-
-
-def _record(stats: dict) -> None:
-    stack = _QUERY_CALLS.get()
-    if stack:
-        stack[-1].append(stats)
+MAX_RETRIEVED = 64  # retrieved texts kept per request (the latest last)
 
 
 def query_stats(calls: Sequence[dict]) -> dict[str, Any]:
@@ -86,10 +80,28 @@ def query_stats(calls: Sequence[dict]) -> dict[str, Any]:
             "num_recomputed": sum(c.get("num_recomputed", 0) for c in calls)}
 
 
-class QueryStatsHandler(BaseEventHandler):
-    """Puts the stats of a query's CacheBlendLLM calls into its `Response.metadata["cacheblend"]`.
+@dataclass
+class _Request:
+    """What one request's span tree (a query, a chat turn: a root span and all it calls) holds for the
+    CacheBlendLLM calls in it."""
 
-    Registered once on LlamaIndex's root instrumentation dispatcher when the first CacheBlendLLM is built.
+    retrieved: list[str] = field(default_factory=list)
+    """Texts of the nodes its retrievers returned, the latest last (at most `MAX_RETRIEVED`)."""
+    queries: dict[str, list[dict]] = field(default_factory=dict)
+    """Its queries in progress, by span: the stats of their LLM calls."""
+
+
+class QueryStatsHandler(BaseEventHandler, BaseSpanHandler[SimpleSpan]):
+    """What each request's span tree holds for the CacheBlendLLM calls in it: the stats of a query's calls, put
+    into its `Response.metadata["cacheblend"]`, and the texts its retrievers returned, which the LLM learns when
+    its prompt carries them (`learn_retrieved`).
+
+    LlamaIndex's own instrumentation carries the request: the handler listens to the root dispatcher's spans
+    (where each one sits in its tree) and events (a query's start and end, a retriever's nodes), and keeps the
+    facts by tree; the LLM finds its own tree from its call's span (`active_span_id`). Registered once on the root
+    dispatcher, as event and span handler, when the first CacheBlendLLM is built. A span's place is kept after it
+    ends (a stream read after its query, a chat engine's writer thread still find their tree), so both maps are
+    bounded (`MAX_SPANS`, `MAX_REQUESTS`: the least recently used go) and locked.
 
     Example:
         >>> handler = install_query_stats_handler()
@@ -97,95 +109,189 @@ class QueryStatsHandler(BaseEventHandler):
         (True, True)
     """
 
+    MAX_SPANS: ClassVar[int] = 16384
+    MAX_REQUESTS: ClassVar[int] = 256
+    _parents: OrderedDict[str, str | None] = PrivateAttr(default_factory=OrderedDict)
+    _requests: OrderedDict[str, _Request] = PrivateAttr(default_factory=OrderedDict)  # by root span
+    _facts_lock: Any = PrivateAttr(default_factory=threading.Lock)
+
     @classmethod
     def class_name(cls) -> str:
         """Registry name."""
         return "CacheBlendQueryStatsHandler"
 
+    def new_span(self, id_: str, bound_args: Any, instance: Any = None, parent_span_id: str | None = None,
+                 tags: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Note where the span sits (no span object is kept: the base class's `open_spans` stays empty)."""
+        with self._facts_lock:
+            self._parents[id_] = parent_span_id
+            while len(self._parents) > self.MAX_SPANS:
+                self._parents.popitem(last=False)
+
+    def prepare_to_exit_span(self, id_: str, bound_args: Any, instance: Any = None, result: Any = None,
+                             **kwargs: Any) -> None:
+        """Nothing: the span's place is kept for what its tree still runs after it (see the class)."""
+
+    def prepare_to_drop_span(self, id_: str, bound_args: Any, instance: Any = None,
+                             err: BaseException | None = None, **kwargs: Any) -> None:
+        """Nothing, as at a span's end."""
+
+    def _chain(self, span_id: str | None) -> list[str]:
+        """The span and those above it, innermost first (the lock held)."""
+        chain: list[str] = []
+        while span_id is not None and len(chain) < self.MAX_SPANS:
+            chain.append(span_id)
+            if span_id in self._parents:
+                self._parents.move_to_end(span_id)  # a tree in use is the last to be forgotten
+            span_id = self._parents.get(span_id)
+        return chain
+
+    def _request(self, span_id: str | None, create: bool = False) -> tuple[list[str], _Request | None]:
+        """(the span's chain, its tree's facts: made with `create`), the lock held."""
+        chain = self._chain(span_id)
+        if not chain:
+            return chain, None
+        request = self._requests.get(chain[-1])
+        if request is None and create:
+            request = self._requests[chain[-1]] = _Request()
+            while len(self._requests) > self.MAX_REQUESTS:
+                self._requests.popitem(last=False)
+        if request is not None:
+            self._requests.move_to_end(chain[-1])
+        return chain, request
+
     def handle(self, event: BaseEvent, **kwargs: Any) -> None:
         """Open a record at a query's start; attach it at its end; note what a retriever returned."""
         if isinstance(event, RetrievalEndEvent):
             texts = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in event.nodes or ()]
-            _RETRIEVED.set((*_RETRIEVED.get(), *(t for t in texts if t.strip()))[-MAX_RETRIEVED:])
-        elif isinstance(event, QueryStartEvent):
-            _QUERY_CALLS.set(_QUERY_CALLS.get() + ([],))
-        elif isinstance(event, QueryEndEvent):
-            stack = _QUERY_CALLS.get()
-            if not stack:
-                return
-            calls = stack[-1]
-            _QUERY_CALLS.set(stack[:-1])
-            response = event.response
-            if not hasattr(response, "metadata"):
-                return
+            with self._facts_lock:
+                _, request = self._request(event.span_id, create=True)
+                if request is not None:
+                    request.retrieved = [*request.retrieved, *(t for t in texts if t.strip())][-MAX_RETRIEVED:]
+        elif isinstance(event, QueryStartEvent) and event.span_id is not None:
+            with self._facts_lock:
+                _, request = self._request(event.span_id, create=True)
+                if request is not None:
+                    request.queries[event.span_id] = []
+        elif isinstance(event, QueryEndEvent) and event.span_id is not None:
+            self._end_query(event.span_id, event.response)
+
+    def _end_query(self, span_id: str, response: Any) -> None:
+        """Put the query's stats into its response; a lazy stream's, as it is read."""
+        with self._facts_lock:
+            _, request = self._request(span_id)
+            calls = None if request is None else request.queries.get(span_id)
             gen = getattr(response, "response_gen", None)
-            if not calls and gen is not None:  # a lazy stream: the LLM is called when the consumer reads it
-                live: dict = {}
-                wrap = _atracked if hasattr(gen, "__aiter__") else _tracked
-                response.response_gen = wrap(gen, calls, live)
-                stats = live
-            elif calls:
-                stats = query_stats(calls)
-            else:
-                return
-            if response.metadata is None:
-                response.metadata = {}
-            response.metadata["cacheblend"] = stats
+            lazy = calls == [] and gen is not None and hasattr(response, "metadata")
+            if request is not None and not lazy:
+                request.queries.pop(span_id, None)
+        if calls is None or not hasattr(response, "metadata"):
+            return
+        if lazy:  # a lazy stream: the LLM is called when the consumer reads it, inside the query's span again
+            live: dict = {}
+            read = self._aread if hasattr(gen, "__aiter__") else self._read
+            response.response_gen = read(gen, span_id, calls, live)
+            stats = live
+        elif calls:
+            stats = query_stats(calls)
+        else:
+            return
+        if response.metadata is None:
+            response.metadata = {}
+        response.metadata["cacheblend"] = stats
 
-
-def _tracked(gen: Iterator[Any], calls: list[dict], live: dict) -> Iterator[Any]:
-    """`gen`, with the LLM calls it makes recorded in `calls` and their stats copied into `live` as it streams."""
-    it = iter(gen)
-    while True:
-        token = _QUERY_CALLS.set(_QUERY_CALLS.get() + (calls,))
+    def _read(self, gen: Iterator[Any], span_id: str, calls: list[dict], live: dict) -> Iterator[Any]:
+        """`gen`, each item read inside the query's span (its LLM calls are the query's), `live` kept filled."""
+        it = iter(gen)
         try:
-            item = next(it)
-        except StopIteration:
-            break
+            while (item := _next_in(span_id, it)) is not _END:
+                yield _fill(live, calls, item)
         finally:
-            _QUERY_CALLS.reset(token)
-        if calls:
-            live.update(query_stats(calls))
-        yield item
+            self._close_query(span_id, live, calls)
+
+    async def _aread(self, gen: AsyncIterator[Any], span_id: str, calls: list[dict], live: dict
+                     ) -> AsyncIterator[Any]:
+        """The async form of `_read`."""
+        it = gen.__aiter__()
+        try:
+            while (item := await _anext_in(span_id, it)) is not _END:
+                yield _fill(live, calls, item)
+        finally:
+            self._close_query(span_id, live, calls)
+
+    def _close_query(self, span_id: str, live: dict, calls: list[dict]) -> None:
+        """A lazy stream ended: its stats are final and its query is closed."""
+        _fill(live, calls)
+        with self._facts_lock:
+            _, request = self._request(span_id)
+            if request is not None:
+                request.queries.pop(span_id, None)
+
+    def record(self, stats: dict, span_id: str | None) -> None:
+        """Count an LLM call's stats toward the innermost query in progress in the call's span tree, if any."""
+        with self._facts_lock:
+            chain, request = self._request(span_id)
+            if request is not None:
+                query = next((s for s in chain if s in request.queries), None)
+                if query is not None:
+                    request.queries[query].append(stats)
+
+    def retrieved(self, span_id: str | None) -> list[str]:
+        """Texts the retrievers of this span's tree returned, in order, without repeats."""
+        with self._facts_lock:
+            _, request = self._request(span_id)
+            return list(dict.fromkeys(request.retrieved)) if request is not None else []
+
+
+_END = object()  # the end of a stream
+
+
+@contextmanager
+def _in_span(span_id: str) -> Iterator[None]:
+    """Run inside the span `span_id`: what an LLM call starts meanwhile sits in that span's tree."""
+    token = active_span_id.set(span_id)
+    try:
+        yield
+    finally:
+        active_span_id.reset(token)
+
+
+def _next_in(span_id: str, it: Iterator[Any]) -> Any:
+    with _in_span(span_id):
+        return next(it, _END)
+
+
+async def _anext_in(span_id: str, it: AsyncIterator[Any]) -> Any:
+    with _in_span(span_id):
+        return await anext(it, _END)
+
+
+def _fill(live: dict, calls: list[dict], item: Any = None) -> Any:
+    """Copy the stats of `calls` into `live`, then hand back `item`."""
     if calls:
         live.update(query_stats(calls))
+    return item
 
 
-async def _atracked(gen: AsyncIterator[Any], calls: list[dict], live: dict) -> AsyncIterator[Any]:
-    """The async form of `_tracked`."""
-    it = gen.__aiter__()
-    while True:
-        token = _QUERY_CALLS.set(_QUERY_CALLS.get() + (calls,))
-        try:
-            item = await it.__anext__()
-        except StopAsyncIteration:
-            break
-        finally:
-            _QUERY_CALLS.reset(token)
-        if calls:
-            live.update(query_stats(calls))
-        yield item
-    if calls:
-        live.update(query_stats(calls))
-
-
-_install_lock = threading.Lock()
+_install_lock = threading.Lock()  # registration only: the handler (and what it keeps) is the dispatcher's
 
 
 def install_query_stats_handler() -> QueryStatsHandler:
-    """The handler on LlamaIndex's root dispatcher, registered there once: the dispatcher holds it (no module
-    global), so it is registered again if the dispatcher's handlers were cleared."""
+    """The handler on LlamaIndex's root dispatcher, registered there once (as event and span handler): the
+    dispatcher holds it (no module global), so it is registered again if the dispatcher's handlers were cleared."""
     dispatcher = get_dispatcher()
     with _install_lock:
         handler = next((h for h in dispatcher.event_handlers if isinstance(h, QueryStatsHandler)), None)
         if handler is None:
             handler = QueryStatsHandler()
             dispatcher.add_event_handler(handler)
+            dispatcher.add_span_handler(handler)
     return handler
 
 
-_ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
-          MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant", MessageRole.DEVELOPER: "system"}
+_ROLES = MappingProxyType({MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant",
+                           MessageRole.CHATBOT: "assistant", MessageRole.MODEL: "assistant",
+                           MessageRole.DEVELOPER: "system"})
 
 
 def to_chat_messages(messages: Sequence[ChatMessage], fmt: ToolFormat = GENERIC) -> list[dict[str, Any]]:
@@ -368,20 +474,23 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
 
     def _generate(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]):
         chunks, request = self._request(prompt, kwargs)
+        span_id = active_span_id.get()  # this call's span: its tree is the request (query, chat turn) it serves
         out = self.engine.generate_request(request)
         info = stats_summary(out.stats, chunks)
         self._last = info
-        _record(info)
-        self._learn(prompt)
+        handler = install_query_stats_handler()
+        handler.record(info, span_id)
+        self._learn(prompt, handler, span_id)
         return out, info
 
-    def _learn(self, prompt: str | list[dict[str, str]]) -> None:
-        """Queue the retrieved passages this prompt carried for ingest after the answer (`engine.learn`): with
-        `learn_retrieved`, the next query that retrieves them reuses their KV, no warm step or postprocessor."""
+    def _learn(self, prompt: str | list[dict[str, str]], handler: QueryStatsHandler, span_id: str | None) -> None:
+        """Queue the passages this call's request retrieved that its prompt carried for ingest after the answer
+        (`engine.learn`): with `learn_retrieved`, the next query that retrieves them reuses their KV, no warm step
+        or postprocessor."""
         if not self.learn_retrieved:
             return
         text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-        seen = [t for t in dict.fromkeys(_RETRIEVED.get()) if t in text]
+        seen = [t for t in handler.retrieved(span_id) if t in text]
         if seen:
             self.engine.learn(seen)
 
@@ -390,7 +499,9 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         stats: dict = {}
         info: dict = {}
         self._last = info
-        _record(info)
+        span_id = active_span_id.get()  # as in `_generate`, taken when called: the stream may be read elsewhere
+        handler = install_query_stats_handler()
+        handler.record(info, span_id)
 
         def pieces():
             it = self.engine.stream_request(request, stats)
@@ -403,7 +514,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
                 if close is not None:
                     close()  # a consumer that stops early ends the engine's stream (and its decoding) too
             info.update(stats_summary(stats, chunks))
-            self._learn(prompt)
+            self._learn(prompt, handler, span_id)
 
         return pieces(), info
 
@@ -452,16 +563,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
         tools, choice = kwargs.pop("tools", None), kwargs.pop("tool_choice", None)
         parallel = bool(kwargs.pop("parallel_tool_calls", False))
         fmt = ToolFormat.of(self.engine.tokenizer)
-        shaped = _shaped(messages)
-        if answer:
-            turn = generic_tools.answer_turn(shaped, tools or [], parallel, fmt)
-        else:
-            turn = generic_tools.tool_turn(fmt.chat_messages(shaped), tools or [], choice, parallel, fmt,
-                                           generic_tools.answered_calls(shaped))
-        if turn.grammar is not None:
-            kwargs["grammar"] = turn.grammar
-        if turn.tools is not None:
-            kwargs["tools"] = turn.tools
+        turn = generic_tools.chat_turn(_shaped(messages), tools or [], choice, parallel, fmt, answer)
+        kwargs.update(turn.request_settings())
         return turn.messages, kwargs, turn, fmt
 
     @llm_chat_callback()
