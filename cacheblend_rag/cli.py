@@ -3,7 +3,7 @@
     cacheblend-rag ingest PATH... [--home DIR] [--model NAME] [--memory-budget 512MiB] [--follow-symlinks]
                           [--kv-codec fp16|int8|cachegen] [--neighbor-variants K]
     cacheblend-rag ingest --from-chroma COLLECTION [--chroma-path DIR | --host H --port P]  # your own Chroma
-    cacheblend-rag ask "question" [--home DIR] [--k 6] [--method cacheblend] [--ratio 0.15] [--json]  # (1)
+    cacheblend-rag ask "question" [--home DIR] [--k 6] [--method relevance] [--ratio 0.15] [--json]  # (1)
     cacheblend-rag serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--home DIR] [--model NAME]
     ... --kv-store memory --kv-store disk:PATH --kv-store redis://HOST:6379/0?prefix=NAME   # KV tiers, any command
     cacheblend-rag delete PATH...      # remove the chunks (and KV) of these files or folders

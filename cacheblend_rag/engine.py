@@ -46,7 +46,7 @@ from .loading.profile import load_or_measure
 from .models.adapter import get_adapter
 from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
 from .models.loader import DEFAULT_MODEL, load_model
-from .request import Prompt, Request
+from .request import DEFAULT_METHOD, Prompt, Request
 from .store import KVStore, MemoryStore, open_store
 from .store.codecs import CODECS
 
@@ -411,14 +411,14 @@ class CacheBlendEngine:
             )
         return FusionRequest(resolved, layout)
 
-    def prefill(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
+    def prefill(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = DEFAULT_METHOD,
                 recompute_ratio: float | str | None = None, *, store_holes: bool = True, **options) -> Prefill:
         """Fused prefill of [prefix][chunks][question]; `method` names the token-selection policy. Keywords as
         `Request.of` (the policy's options, `history=` earlier turns, `template=`); holes as `prefill_request`."""
         return self.prefill_request(Request.of(chunks, question, method, recompute_ratio, **options),
                                     store_holes=store_holes)
 
-    def prefill_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
+    def prefill_prompt(self, prompt: Prompt, method: str | Policy = DEFAULT_METHOD,
                        recompute_ratio: float | str | None = None, *, store_holes: bool = True, **options) -> Prefill:
         """Fused prefill of any prompt (a string, tokenized as is, or chat messages, rendered with the model's chat
         template): every ingested chunk whose text appears in it verbatim is fused from its cached KV; the text
@@ -518,38 +518,38 @@ class CacheBlendEngine:
             self._sequence_caches[seq] = self.cache.salted(request.cache_salt)
         return seq, pre.stats
 
-    def generate(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
+    def generate(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = DEFAULT_METHOD,
                  recompute_ratio: float | str | None = None, **options) -> Generation:
         """Fused prefill, then decode: greedy by default. Keywords as `Request.of`: `max_new_tokens` (or
         `max_tokens`), `temperature`, `top_p`, `stop`, `seed`, `grammar` or one `sampling=`; the policy's options;
         `history=` (the conversation's earlier turns), `template=`."""
         return self.generate_request(Request.of(chunks, question, method, recompute_ratio, **options))
 
-    def stream(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
+    def stream(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = DEFAULT_METHOD,
                recompute_ratio: float | str | None = None, *, stats: dict | None = None,
                **options) -> Generator[str, None, None]:
         """`generate`, yielding text pieces as they are decoded (see `stream_request`)."""
         return self.stream_request(Request.of(chunks, question, method, recompute_ratio, **options), stats)
 
-    def start(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = "cacheblend",
+    def start(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = DEFAULT_METHOD,
               recompute_ratio: float | str | None = None, **options) -> tuple[KVSequence, RequestStats]:
         """`generate`'s prefill, then a sequence to decode with `advance` (see `start_request`)."""
         return self.start_request(Request.of(chunks, question, method, recompute_ratio, **options))
 
-    def generate_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
+    def generate_prompt(self, prompt: Prompt, method: str | Policy = DEFAULT_METHOD,
                         recompute_ratio: float | str | None = None, **options) -> Generation:
         """`generate` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
         return self.generate_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
                                                 **options))
 
-    def stream_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
+    def stream_prompt(self, prompt: Prompt, method: str | Policy = DEFAULT_METHOD,
                       recompute_ratio: float | str | None = None, *, stats: dict | None = None,
                       **options) -> Generator[str, None, None]:
         """`stream` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
         return self.stream_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
                                               **options), stats)
 
-    def start_prompt(self, prompt: Prompt, method: str | Policy = "cacheblend",
+    def start_prompt(self, prompt: Prompt, method: str | Policy = DEFAULT_METHOD,
                      recompute_ratio: float | str | None = None, **options) -> tuple[KVSequence, RequestStats]:
         """`start` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
         return self.start_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,

@@ -5,7 +5,8 @@ Every surface (the engine's conveniences, LangChain, LlamaIndex, the server, the
 method's own options) in one place, and hands it to the engine's `prefill_request` / `generate_request` /
 `stream_request` / `start_request`. A request is validated when it is built, so a bad one fails at the call.
 A surface with defaults of its own (an LLM object) merges one call's keywords over them with `call_keywords`;
-its default ratio is `DEFAULT_RECOMPUTE_RATIO`, the CacheBlend policy's own.
+its default method is `DEFAULT_METHOD` (the registry's) and its default ratio `DEFAULT_RECOMPUTE_RATIO`, that
+policy's own.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from typing import Any
 from .decode.generate import SamplingOptions
 from .errors import ConfigError
 from .fuse.layout import PromptTemplate
-from .fuse.policies import CacheBlend, call_options, make_policy
+from .fuse.policies import DEFAULT_METHOD, POLICIES, call_options, make_policy
 from .fuse.policy import Policy
 from .ingest.chunks import Chunk
 
 Prompt = str | Sequence[dict]  # a text prompt, or chat messages [{"role": ..., "content": ...}, ...]
 
-__all__ = ["DEFAULT_RECOMPUTE_RATIO", "Prompt", "Request", "call_keywords"]
+__all__ = ["DEFAULT_METHOD", "DEFAULT_RECOMPUTE_RATIO", "Prompt", "Request", "call_keywords"]
 
-DEFAULT_RECOMPUTE_RATIO: float = CacheBlend.recompute_ratio
-"""The recompute ratio every surface defaults to: the CacheBlend policy's field default, defined there alone."""
+DEFAULT_RECOMPUTE_RATIO: float = POLICIES[DEFAULT_METHOD].recompute_ratio
+"""The recompute ratio every surface defaults to: the default method's field default, defined there alone."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Request:
     history: tuple[dict, ...] = ()
     template: PromptTemplate | None = None
     prompt: str | tuple[dict, ...] | None = None
-    policy: Policy = field(default_factory=CacheBlend)
+    policy: Policy = field(default_factory=lambda: make_policy(DEFAULT_METHOD))
     auto_ratio: bool = False
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     tools: tuple[dict, ...] | None = None  # OpenAI tool specs a chat prompt's template lists (its own tool format)
@@ -79,7 +80,7 @@ class Request:
 
     @classmethod
     def of(cls, chunks: str | Sequence[str | Chunk] = (), question: str | None = None,
-           method: str | Policy = "cacheblend", recompute_ratio: float | str | None = None, *,
+           method: str | Policy = DEFAULT_METHOD, recompute_ratio: float | str | None = None, *,
            prompt: Prompt | None = None, history: Sequence[dict] = (), template: PromptTemplate | None = None,
            sampling: SamplingOptions | None = None, tools: Sequence[dict] | None = None,
            cache_salt: str | None = None, **options: Any) -> "Request":

@@ -12,6 +12,7 @@ import pytest
 
 from cacheblend_rag import chunk_id, settings
 from cacheblend_rag.cli import REGISTRARS, build_parser
+from cacheblend_rag.fuse.policies import DEFAULT_METHOD
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "examples" / "data"
@@ -86,7 +87,7 @@ def test_ingest_then_ask_json(tmp_path, default_model):
     assert chunk_id((DATA / "07_senses.txt").read_text()) == result["chunks"][0]
     stats = result["stats"]
     assert stats["per_chunk"] == {cid: "hit" for cid in result["chunks"]}
-    assert stats["method"] == "cacheblend" and stats["ttft_s"] > 0 and 0 < stats["recompute_ratio_effective"] < 1
+    assert stats["method"] == DEFAULT_METHOD and stats["ttft_s"] > 0 and 0 < stats["recompute_ratio_effective"] < 1
     # start-up (process start → engine ready) is reported beside the engine's TTFT, never inside it (#41)
     assert stats["startup_s"] > stats["ttft_s"] and stats["threads"] >= 1 and stats["answer_s"] >= stats["ttft_s"]
 

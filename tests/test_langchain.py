@@ -31,6 +31,7 @@ from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
 
 from cacheblend_rag import chunk_id  # noqa: E402
 from cacheblend_rag.ingest import ingest_paths  # noqa: E402
+from cacheblend_rag.fuse.policies import DEFAULT_METHOD  # noqa: E402
 from cacheblend_rag.retrieval.chroma import ChromaChunkStore  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -115,7 +116,7 @@ def test_a_prompt_string_finds_its_chunks(retriever, llm):
 
 def test_settings_are_fields_and_per_call(llm, retriever):
     assert CacheBlendLLM.model_fields["recompute_ratio"].description
-    assert llm._identifying_params["method"] == "cacheblend"
+    assert llm._identifying_params["method"] == DEFAULT_METHOD
     with pytest.raises(ValueError, match="method"):
         CacheBlendLLM(engine=llm.engine, method="nope")
     docs = retriever.invoke(QUESTION)

@@ -76,10 +76,13 @@ def test_a_prompt_request_finds_the_stored_chunks_and_uses_its_policy_object(eng
     assert out.stats["num_recomputed"] == 0 and len(out.token_ids) == 2
 
 
-def test_one_default_ratio_and_one_call_keyword_merge():
+def test_one_default_method_one_default_ratio_and_one_call_keyword_merge():
+    from cacheblend_rag.fuse.policies import DEFAULT_METHOD, POLICIES
     from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO, call_keywords
 
-    assert DEFAULT_RECOMPUTE_RATIO == CacheBlend().recompute_ratio
+    default = POLICIES[DEFAULT_METHOD]()
+    assert Request(question=QUESTION).policy == default == Request.of(TEXTS, QUESTION).policy
+    assert DEFAULT_RECOMPUTE_RATIO == default.recompute_ratio
     ours = dict(method="cacheblend", recompute_ratio=0.2, policy_options={"check_layers": (1, 2)}, max_new_tokens=9)
     kept = call_keywords({"max_tokens": 4, "deviation": "v"}, **ours, temperature=0.0)
     assert kept == dict(check_layers=(1, 2), deviation="v", method="cacheblend", recompute_ratio=0.2,

@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 
 from cacheblend_rag import settings  # noqa: E402
 from cacheblend_rag.models.loader import model_folder  # noqa: E402
+from cacheblend_rag.fuse.policies import DEFAULT_METHOD  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
@@ -152,7 +153,7 @@ def test_documents_are_cached_and_reported_as_cached_tokens(client):
     assert first.usage.prompt_tokens > 0 and first.usage.completion_tokens > 0
     assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
     stats = first.usage.model_extra["cacheblend"]
-    assert stats["method"] == "cacheblend" and stats["chunk_misses"] == 2 and stats["chunk_hits"] == 0
+    assert stats["method"] == DEFAULT_METHOD and stats["chunk_misses"] == 2 and stats["chunk_hits"] == 0
 
     second = _chat(client, extra_body={"documents": docs})  # same texts: both chunks' KV now comes from the store
     stats = second.usage.model_extra["cacheblend"]

@@ -321,3 +321,16 @@ def test_the_core_imports_no_partner_package_framework_or_benchmark():
     if found:
         pytest.fail("the core imports what depends on it (declare a subcommand in the entry-point group "
                     "cacheblend_rag.commands, or move the code downstream):\n  " + "\n  ".join(found), pytrace=False)
+
+
+
+def test_the_default_method_is_written_once():
+    """Every surface's default method is `fuse.policies.DEFAULT_METHOD`: no module spells a method name as a default."""
+    import re
+
+    spelled = re.compile(r"""(method: str( \| Policy)? = (Field\(default=)?|"--method", default=)["']\w+["']""")
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+             for root in (REPO / "cacheblend_rag", REPO / "integrations") for path in root.rglob("*.py")
+             if "tests" not in path.parts
+             for n, line in enumerate(path.read_text().splitlines(), 1) if spelled.search(line)]
+    assert not found, "a default method spelled out instead of DEFAULT_METHOD:\n" + "\n".join(found)

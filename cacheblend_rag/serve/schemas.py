@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..decode.generate import SEED_MAX, SEED_MIN
 from ..errors import ConfigError
-from ..fuse.policies import POLICIES, make_policy, takes_ratio
+from ..fuse.policies import DEFAULT_METHOD, POLICIES, make_policy, takes_ratio
 from ..fuse.policy import Policy
 from ..ingest.chunks import looks_like_chunk_id
 
@@ -125,7 +125,7 @@ class CacheBlendOptions(_Body):
 
     model_config = ConfigDict(extra="allow")  # the method's options: checked by the policy itself, below
 
-    method: str = "cacheblend"
+    method: str = DEFAULT_METHOD
     """Any method of the policy registry (`fuse.policies.POLICIES`), one registered by a plugin included."""
     recompute_ratio: float | Literal["auto"] | None = None
     """Share of reused tokens recomputed, within [0, 1], or "auto" (the loading controller)."""

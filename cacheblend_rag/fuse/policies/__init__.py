@@ -29,7 +29,12 @@ POLICIES: dict[str, type] = {
 }
 METHODS: tuple[str, ...] = tuple(POLICIES)  # the built-in methods; POLICIES also holds registered ones
 
-__all__ = ["METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
+DEFAULT_METHOD: str = Relevance.name
+"""The method every surface uses when a call names none, defined here alone. Query relevance, not CacheBlend's
+deviation ranking: at the same 15 % it keeps the answers on look-alike pages and after an agent's tool, and is
+closer to full prefill on distinct documents (docs/benchmarks.md, "Which method is the default")."""
+
+__all__ = ["DEFAULT_METHOD", "METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
            "PrefixCache", "Relevance", "all_option_names", "call_options", "make_policy", "option_names",
            "register_policy", "takes_ratio"]
 

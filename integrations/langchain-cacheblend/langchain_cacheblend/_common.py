@@ -11,7 +11,7 @@ from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import POLICIES, all_option_names, check_ratio, make_policy
 from cacheblend_rag.models.loader import DEFAULT_MODEL
-from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO, call_keywords
+from cacheblend_rag.request import DEFAULT_METHOD, DEFAULT_RECOMPUTE_RATIO, call_keywords
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
 
@@ -93,10 +93,11 @@ class EngineFields(BaseModel):
     """Device of a lazily built engine."""
     dtype: str = "auto"
     """Dtype of a lazily built engine."""
-    method: str = "cacheblend"
-    """Prefill method: full_prefill, prefix_cache, full_reuse or cacheblend."""
+    method: str = DEFAULT_METHOD
+    """Prefill method, any of the policy registry's (`cacheblend_rag.fuse.policies.POLICIES`): relevance (the
+    default), cacheblend, cachecraft, full_reuse, prefix_cache, full_prefill."""
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
-    """Share of reused chunk tokens recomputed per layer (cacheblend only)."""
+    """Share of reused chunk tokens recomputed (methods that take a ratio)."""
     policy_options: dict[str, Any] = Field(default_factory=dict)
     """The method's own options, for any policy of the registry (`cacheblend_rag.fuse.policies.POLICIES`): e.g.
     {"check_layers": (1, 2), "guard": 0.1} for cacheblend, {"alpha": 0.5} for cachecraft; checked by the policy."""

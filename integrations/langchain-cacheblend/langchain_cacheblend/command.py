@@ -24,8 +24,8 @@ from cacheblend_rag.cli import (
     ratio_arg,
 )
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES
-from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO
+from cacheblend_rag.fuse.policies import POLICIES, takes_ratio
+from cacheblend_rag.request import DEFAULT_METHOD, DEFAULT_RECOMPUTE_RATIO
 
 CHAINS = ("map_reduce", "map_rerank")
 
@@ -38,13 +38,13 @@ def add_ask(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("question", help="the question (must not be empty)")
     add_data_arguments(p)
     p.add_argument("--k", type=positive_int, default=6, help="chunks to retrieve (default 6)")
-    p.add_argument("--method", default="cacheblend", choices=(*POLICIES, *CHAINS),
-                   help="prefill method (stuff chain) or chain; default cacheblend")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=(*POLICIES, *CHAINS),
+                   help=f"prefill method (stuff chain) or chain; default {DEFAULT_METHOD}")
     p.add_argument("--option", action="append", type=policy_option, default=[], metavar="KEY=VALUE",
                    help="an option of the method's policy, e.g. --option check_layers=[1,2] --option guard=0.1 "
                         "(VALUE is JSON, else a string; repeatable)")
     p.add_argument("--ratio", type=ratio_arg, default=DEFAULT_RECOMPUTE_RATIO,
-                   help=f"CacheBlend recompute ratio in [0, 1] (default {DEFAULT_RECOMPUTE_RATIO})")
+                   help=f"recompute ratio in [0, 1] (default {DEFAULT_RECOMPUTE_RATIO})")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help='stop the answer at TEXT (repeatable; default: a blank line or a new "Question:" line; '
@@ -98,7 +98,7 @@ def _run_ask(args: argparse.Namespace) -> int:
         return 1
     engine = open_engine(args)
     startup_s = process_age()  # process start → engine ready: interpreter, imports, Chroma, model load
-    method = args.method if args.method in POLICIES else "cacheblend"
+    method = args.method if args.method in POLICIES else DEFAULT_METHOD
     # One paragraph by default; a base model (no chat template, e.g. gemma3-270m) answering the plain template's
     # "Question: ...\nAnswer:" goes on to write the next "Question:" after a single newline.
     stop = [s for s in (args.stop if args.stop is not None else ["\n\n", "\nQuestion:"]) if s]
@@ -128,7 +128,8 @@ def _run_ask(args: argparse.Namespace) -> int:
     hits = sum(1 for s in per_chunk.values() if s == "hit")
     line = f"[{stats.get('method')}, {stats['chain']} chain, {stats['llm_calls']} LLM call(s)] " \
            f"chunks: {len(chunk_ids)} retrieved, {hits} KV hits, {len(per_chunk) - hits} misses"
-    if stats.get("method") == "cacheblend" and "recompute_ratio_effective" in stats:
+    if stats.get("method") in POLICIES and takes_ratio(POLICIES[stats["method"]]) \
+            and "recompute_ratio_effective" in stats:
         line += f"; recomputed {100 * stats['recompute_ratio_effective']:.1f}% of reused tokens"
     print(line)
     print(_timing_line(stats))

@@ -26,7 +26,7 @@ from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import POLICIES, all_option_names, check_ratio, make_policy
 from cacheblend_rag.ingest.chunks import looks_like_chunk_id, normalize_text
 from cacheblend_rag.models.loader import DEFAULT_MODEL
-from cacheblend_rag.request import DEFAULT_RECOMPUTE_RATIO, Request, call_keywords
+from cacheblend_rag.request import DEFAULT_METHOD, DEFAULT_RECOMPUTE_RATIO, Request, call_keywords
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -369,7 +369,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     model_kwargs: dict = Field(default_factory=dict, description="Only 'dtype' / 'torch_dtype' is used.")
     kv_store: str | None = Field(default=None, description="KV store folder of a lazily built engine (~ expanded).")
     home: str | None = Field(default=None, description="Package home of a lazily built engine.")
-    method: str = Field(default="cacheblend", description="full_prefill, prefix_cache, full_reuse or cacheblend.")
+    method: str = Field(default=DEFAULT_METHOD, description="Prefill method, any of the policy registry's: "
+                        "relevance (the default), cacheblend, cachecraft, full_reuse, prefix_cache, full_prefill.")
     recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, description="Recomputed share of reused tokens.")
     policy_options: dict = Field(default_factory=dict, description="The method's own options, for any policy of "
                                  "the registry (e.g. {'check_layers': (1, 2)} for cacheblend, {'alpha': 0.5} for "
