@@ -107,8 +107,8 @@ def test_parse_methods_expands_cacheblend_and_puts_full_prefill_first():
     assert specs[1].ratio == 0.05 and specs[3].is_chain and not specs[1].is_chain
     assert [s.label for s in parse_methods("cacheblend/deviation=k", (0.15,))][1] == "cacheblend@0.15/deviation=k"
     default = [s.label for s in parse_methods(None, (0.15,), hf_available=True)]
-    assert default == ["full_prefill", "prefix_cache", "full_reuse", "cacheblend@0.15", "stuff", "tutorial",
-                       "map_reduce", "map_rerank", "hf_pipeline"]
+    assert default == ["full_prefill", "prefix_cache", "full_reuse", "cacheblend@0.15", "relevance", "stuff",
+                       "tutorial", "map_reduce", "map_rerank", "hf_pipeline"]
     assert "hf_pipeline" not in [s.label for s in parse_methods(None, (0.15,), hf_available=False)]
     sweep = parse_methods(None, (0.1, 1.0), sweep=True)
     assert [s.ratio_of_recompute for s in sweep] == [1.0, 0.0, 0.1, 1.0]
