@@ -23,6 +23,7 @@ the same way through the entry-point group `cacheblend_rag.commands` (name = sub
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -772,5 +773,16 @@ def run_parsed(args: argparse.Namespace) -> int:
         return 130
 
 
+def console_main() -> int:
+    """The `cacheblend-rag` script (and `python -m cacheblend_rag.cli`): `main`, then a cheap exit. After torch,
+    transformers and Chroma are imported, the interpreter's last garbage collections walk millions of objects:
+    1.2-2.0 s of every command's wall time on the project's 2-core CPU (docs/benchmarks.md, #41). Freezing them
+    first (`gc.freeze`) skips those walks; atexit handlers and reference-counted clean-up still run (only objects
+    in reference cycles go unfinalized, which Python never promised at exit anyway)."""
+    code = main()
+    gc.freeze()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -50,6 +50,23 @@ def test_console_script_is_installed():
     assert out.returncode == 0 and "ingest" in out.stdout and "ask" in out.stdout
 
 
+def test_console_script_freezes_the_heap_before_the_interpreter_exits(monkeypatch):
+    """The script's entry point runs `main`, then `gc.freeze()`: the interpreter's last collections would walk every
+    torch/transformers/Chroma object (1.2-2.0 s of each command's wall time, #41); `main` itself (what tests and
+    plugin scripts call) leaves the heap alone."""
+    import tomllib
+
+    from cacheblend_rag import cli
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["cacheblend-rag"] == "cacheblend_rag.cli:console_main"
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda: calls.append("main") or 3)
+    monkeypatch.setattr(cli.gc, "freeze", lambda: calls.append("freeze"))
+    assert cli.console_main() == 3
+    assert calls == ["main", "freeze"]
+
+
 @pytest.mark.model
 @pytest.mark.slow
 def test_ingest_then_ask_json(tmp_path, default_model):

@@ -119,3 +119,21 @@ def test_the_servers_finish_reason_is_the_engines_for_a_completed_grammar(served
     assert out.finish_reason == "stop" and out.grammar_satisfied is True  # the engine: a complete call
     assert choice["finish_reason"] == streamed == "tool_calls"  # the server's name for it
     assert "Paris" in json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])["city"]
+
+
+def test_a_starting_server_warms_the_grammar_compiler_in_the_background(default_model):
+    """The server's start-up begins the grammar compiler's one-time set-up while it is idle (#41), so its first
+    tool call does not pay 0.5-1.9 s for it."""
+    from fastapi.testclient import TestClient
+
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.serve.app import ServeConfig, create_app
+
+    model, tokenizer = default_model
+    engine = CacheBlendEngine(model, tokenizer, prefix_reuse=False)
+    assert not engine.grammars.warm
+    with TestClient(create_app(engine, ServeConfig(model_name="smol"))):
+        warming = engine.grammars._warming
+        assert warming is not None
+        warming.join(timeout=60)
+        assert engine.grammars.warm and engine.grammars.num_compiled == 0

@@ -188,3 +188,37 @@ def test_a_stop_string_inside_a_constrained_answer_is_ignored_until_the_grammar_
     free = engine.generate_prompt(PROMPTS[0], max_new_tokens=24, grammar=Grammar.lark('start: "yes. " /[a-z ]+/'),
                                   stop=["."])  # cannot end before "yes. ": the stop there is part of the answer
     assert free.text.startswith("yes.") and free.grammar_satisfied
+
+
+def test_warm_up_does_the_one_time_set_up_once_and_compiles_nothing_kept(tokenizer, monkeypatch):
+    """`GrammarCompiler.warm_up` builds the tokenizer conversion and the token leads ahead of a first grammar (#41):
+    on a background thread, started once; a grammar asked for meanwhile waits for it instead of building it twice;
+    the warm-up's own schema is neither kept nor counted."""
+    import threading
+    import time
+
+    import llguidance.hf
+
+    from cacheblend_rag.decode.grammar import GrammarCompiler
+
+    built = []
+    original = llguidance.hf.from_tokenizer
+
+    def slow_from_tokenizer(*args, **kwargs):
+        built.append(threading.current_thread().name)
+        time.sleep(0.3)  # a window in which the first grammar arrives
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow_from_tokenizer)
+    compiler = GrammarCompiler(tokenizer)
+    assert not compiler.warm
+    thread = compiler.warm_up()
+    assert thread is not None and thread.daemon and compiler.warm_up() is thread  # started once
+    compiler.state(Grammar.json_schema({"type": "integer"}))  # meanwhile: waits for the conversion under way
+    thread.join(timeout=60)
+    assert compiler.warm and built == ["cacheblend-grammar-warm"]
+    assert compiler.num_compiled == 1 and len(compiler._compiled) == 1  # only the real grammar
+    assert compiler.warm_up() is None  # nothing left to do
+
+    cold = GrammarCompiler(tokenizer)
+    assert cold.warm_up(background=False) is None and cold.warm and cold.num_compiled == 0

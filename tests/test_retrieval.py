@@ -152,6 +152,74 @@ def test_chroma_embedded_upsert_query(tmp_path):
         ChromaChunkStore(tmp_path, "kb")
 
 
+EMBED_TEXTS = ["hello world", "  leading and trailing spaces \n", "", "Bees see ultraviolet light. " * 120,
+               "Ünïcödé — 蜜蜂 has five eyes?", "x", "How many eyes does a honeybee have?"]
+
+
+def test_embedder_matches_sentence_transformers_without_importing_it():
+    """The packaged all-MiniLM-L6-v2 runs on transformers directly (no sentence-transformers import, #41) and
+    gives sentence-transformers' vectors: texts stripped, long ones truncated at 256 tokens, batches padded."""
+    np = pytest.importorskip("numpy")
+    from cacheblend_rag.ingest.embeddings import MiniLMEncoder, embed, embedding_model_path, load_embedder
+
+    assert isinstance(load_embedder(), MiniLMEncoder)
+    ours = np.array(embed(EMBED_TEXTS, batch_size=3))  # batches of mixed lengths: padding must not leak in
+    st = pytest.importorskip("sentence_transformers")
+    reference = st.SentenceTransformer(str(embedding_model_path()), local_files_only=True, device="cpu").encode(
+        EMBED_TEXTS, normalize_embeddings=True, convert_to_numpy=True)
+    assert ours.shape == reference.shape == (len(EMBED_TEXTS), 384)
+    assert np.abs(ours - reference).max() < 1e-5
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    assert load_embedder().encode("x").shape == (384,)
+
+
+def test_embedder_falls_back_for_a_folder_of_another_kind(tmp_path):
+    from cacheblend_rag.ingest.embeddings import MiniLMEncoder, embedding_model_path
+
+    assert MiniLMEncoder.supports(embedding_model_path())
+    folder = tmp_path / "model"
+    shutil.copytree(embedding_model_path(), folder)
+    pooling = folder / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "pooling_mode_mean_tokens": False,
+                                   "pooling_mode_cls_token": True}))
+    assert not MiniLMEncoder.supports(folder)  # CLS pooling: sentence-transformers computes it
+    modules = json.loads((folder / "modules.json").read_text())
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "pooling_mode_mean_tokens": True,
+                                   "pooling_mode_cls_token": False}))
+    assert MiniLMEncoder.supports(folder)
+    (folder / "modules.json").write_text(json.dumps(modules[:2]))  # no Normalize module
+    assert not MiniLMEncoder.supports(folder)
+    assert not MiniLMEncoder.supports(tmp_path / "missing")
+
+
+def test_opening_and_querying_the_store_imports_no_sentence_transformers(tmp_path):
+    """A collection made with Chroma's own sentence-transformers function (as the package made them before #41)
+    reopens with the lazy one, and a query in a fresh process never imports sentence-transformers."""
+    from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction
+
+    from cacheblend_rag.ingest.embeddings import embedding_model_path
+    from cacheblend_rag.retrieval.chroma import ChromaChunkStore
+
+    import chromadb
+
+    client = chromadb.PersistentClient(path=str(tmp_path / "chroma"),
+                                       settings=chromadb.config.Settings(anonymized_telemetry=False))
+    stock = SentenceTransformerEmbeddingFunction(model_name=str(embedding_model_path()), device="cpu",
+                                                 normalize_embeddings=True, local_files_only=True)
+    client.get_or_create_collection("cacheblend_chunks", embedding_function=stock,
+                                    configuration={"hnsw": {"space": "cosine"}})
+    del client
+    store = ChromaChunkStore(tmp_path)
+    store.upsert([ChunkRecord(chunk_id("bees have five eyes"), "bees have five eyes", {"source": "a"}),
+                  ChunkRecord(chunk_id("rust is a language"), "rust is a language", {"source": "b"})])
+    code = ("import sys; from cacheblend_rag.retrieval.chroma import ChromaChunkStore; "
+            f"s = ChromaChunkStore({str(tmp_path)!r}, create=False); hits = s.query('how many eyes?', k=1); "
+            "print(hits[0].text, 'sentence_transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "bees have five eyes False"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

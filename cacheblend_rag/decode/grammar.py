@@ -44,6 +44,8 @@ def first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "unknown error"
 
 
+WARM_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+               "required": ["name"]}  # what `GrammarCompiler.warm_up` compiles: llguidance's JSON path, once
 COMPILED_KEPT = 64  # compiled grammars a compiler keeps: a server's queue and batch, and an agent's repeated tools
 
 
@@ -186,23 +188,65 @@ class GrammarCompiler:
         self._leads: TokenLeads | None = None
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()  # grammar → a matcher that has consumed nothing
         self._lock = threading.Lock()
+        self._setup_lock = threading.Lock()  # one build of the tokenizer conversion and the leads, whoever asks first
+        self._warming: threading.Thread | None = None
         self.num_compiled = 0  # grammars compiled so far (a counter for /metrics)
 
     def leads(self) -> TokenLeads:
         """`token_leads` of this tokenizer, computed once."""
         if self._leads is None:
-            self._leads = token_leads(self.tokenizer)
+            with self._setup_lock:
+                if self._leads is None:
+                    self._leads = token_leads(self.tokenizer)
         return self._leads
 
     def ll_tokenizer(self):
-        """The tokenizer as llguidance sees it (built once: ~0.5 s for a 49k vocabulary)."""
+        """The tokenizer as llguidance sees it (built once: ~0.4 s for SmolLM2's 49k vocabulary, ~1.5 s for
+        Qwen2.5's 152k)."""
         if self._ll_tokenizer is None:
-            llg = _llguidance()
-            try:
-                self._ll_tokenizer = llg.hf.from_tokenizer(self.tokenizer)
-            except ValueError as e:
-                raise ConfigError(f"constrained decoding needs a fast tokenizer (tokenizer.json): {e}") from e
+            with self._setup_lock:
+                if self._ll_tokenizer is None:
+                    llg = _llguidance()
+                    try:
+                        self._ll_tokenizer = llg.hf.from_tokenizer(self.tokenizer)
+                    except ValueError as e:
+                        raise ConfigError(f"constrained decoding needs a fast tokenizer (tokenizer.json): {e}") from e
         return self._ll_tokenizer
+
+    @property
+    def warm(self) -> bool:
+        """Whether the one-time set-up (tokenizer conversion, token leads) is done."""
+        return self._ll_tokenizer is not None and self._leads is not None
+
+    def warm_up(self, *, background: bool = True) -> threading.Thread | None:
+        """Do the one-time set-up a first grammar pays (the tokenizer conversion, the token leads, llguidance's
+        JSON-schema path on a tiny schema) now: 0.5 s on SmolLM2, 1.9 s on Qwen2.5-Coder-0.5B on the project's CPU
+        (docs/benchmarks.md, #41), which a first tool call otherwise adds to its latency. `background`: on a daemon
+        thread, started once (the thread is returned; later calls return it again); a grammar asked for meanwhile
+        waits for the part it needs rather than building it twice. Failures are left for the first real grammar to
+        report. Called at the first `bind_tools` / `with_structured_output` and when a server starts; an engine
+        that never sees a grammar never pays it."""
+        if self.warm:
+            return None
+        if not background:
+            self._warm_now()
+            return None
+        with self._lock:
+            if self._warming is None:
+                self._warming = threading.Thread(target=self._warm_now, name="cacheblend-grammar-warm", daemon=True)
+                self._warming.start()
+            return self._warming
+
+    def _warm_now(self) -> None:
+        try:
+            lltok = self.ll_tokenizer()
+            self.leads()
+            # compiled aside: not kept, not counted in num_compiled
+            matcher = _llguidance().LLMatcher(lltok, Grammar.json_schema(WARM_SCHEMA).serialized(), log_level=0)
+            words = torch.empty(((lltok.vocab_size + 31) // 32,), dtype=torch.int32)
+            matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        except Exception:  # noqa: BLE001 (a warm-up: the first real grammar raises the same error, with context)
+            pass
 
     def compile(self, grammar: Grammar):
         """The compiled matcher of the grammar (its first mask computed), compiled now unless it is kept; GrammarError

@@ -15,6 +15,8 @@ from cacheblend_rag.request import DEFAULT_METHOD, DEFAULT_RECOMPUTE_RATIO, call
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
 
+from . import callbacks  # noqa: F401 (registers the run-wide RetrievedPassages hook that learn_retrieved reads)
+
 
 CALL_SETTINGS = ("method", "recompute_ratio", "max_tokens", "max_new_tokens", "temperature", "top_p", "seed")
 """Keyword arguments every call accepts (besides `stop`)."""

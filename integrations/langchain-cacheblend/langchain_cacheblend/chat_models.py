@@ -377,7 +377,15 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
         formatted = [convert_to_openai_tool(t) for t in tools]
         if tool_choice is not None:
             generic_tools.normalize_choice(tool_choice, [t["function"]["name"] for t in formatted])  # fail here
+        self._warm_grammars()
         return self.bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def _warm_grammars(self) -> None:
+        """Start the grammar compiler's one-time set-up on a background thread (`GrammarCompiler.warm_up`), so a
+        first tool call made a while after binding does not pay it (0.5 s on SmolLM2, 1.9 s on Qwen2.5-Coder-0.5B).
+        Only an engine already built: binding never loads a model."""
+        if self.engine is not None:
+            self.engine.grammars.warm_up()
 
     def with_structured_output(
         self,
@@ -397,6 +405,7 @@ class ChatCacheBlend(EngineFields, BaseChatModel):
             raise ValueError(f"with_structured_output got unknown keyword argument(s) {', '.join(sorted(kwargs))}")
         if schema is None and method != "json_mode":
             raise ValueError(f"schema must be given for method={method!r}")
+        self._warm_grammars()
         pydantic_schema = isinstance(schema, type) and is_basemodel_subclass(schema)
         trace = {"ls_structured_output_format": {"kwargs": {"method": method, "strict": strict},
                                                  "schema": convert_to_json_schema(schema) if schema else None}}

@@ -271,3 +271,18 @@ def test_bind_tools_on_a_template_with_its_own_tool_format(name):
     assert rendered[1]["tool_calls"][0]["function"]["name"] == "magic_function" and rendered[2]["role"] == "tool"
     answer = bound.bind(tool_choice="none").invoke(history, max_tokens=4)
     assert not answer.tool_calls and answer.response_metadata["cacheblend"]["chunk_hits"] == [result_id]
+
+
+def test_binding_tools_starts_the_grammar_warm_up_and_never_loads_a_model(monkeypatch):
+    """bind_tools / with_structured_output start the grammar compiler's one-time set-up on the built engine (#41),
+    so a first tool call made a while later does not pay it; an engine not built yet stays unbuilt."""
+    engine = shared_engine()
+    calls = []
+    monkeypatch.setattr(engine.grammars, "warm_up", lambda **kw: calls.append(kw))
+    chat = ChatCacheBlend(engine=engine, max_tokens=8)
+    chat.bind_tools([Person])
+    chat.with_structured_output(PersonDict)
+    assert len(calls) == 2
+    lazy = ChatCacheBlend(model="smollm2-135m")
+    lazy.bind_tools([Person])
+    assert lazy.engine is None
