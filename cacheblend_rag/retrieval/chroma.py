@@ -18,7 +18,6 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 from .. import settings
 from ..errors import CollectionNotFoundError, ConfigError, MissingDependencyError, VectorStoreError
@@ -44,31 +43,17 @@ class RetrievedChunk:
 
 
 def _embedding_function():
-    """Chroma's sentence-transformers function on the local folder, sharing our embedder, loaded at its first use.
+    """Chroma's sentence-transformers function on the local folder, sharing our loaded model.
 
     Chroma records the function's name and config (the model path) with the collection, so the same
-    function is passed every time the collection is opened. Chroma's own class loads sentence-transformers when
-    it is made; this one (same name, same config) loads nothing until Chroma asks it for a vector, which the
-    store never does (it passes its vectors itself): opening a collection costs no embedder (#41).
+    function is passed every time the collection is opened.
     """
-    return _lazy_function_class()(model_name=str(embedding_model_path()), device="cpu", normalize_embeddings=True,
-                                  local_files_only=True)
-
-
-@lru_cache(maxsize=1)
-def _lazy_function_class():
     from chromadb.utils.embedding_functions import SentenceTransformerEmbeddingFunction
 
-    class LazySentenceTransformerFunction(SentenceTransformerEmbeddingFunction):
-        def __init__(self, model_name: str, device: str, normalize_embeddings: bool, **kwargs) -> None:
-            self.model_name, self.device, self.normalize_embeddings = model_name, device, normalize_embeddings
-            self.kwargs = kwargs
-
-        @property
-        def _model(self):
-            return load_embedder()
-
-    return LazySentenceTransformerFunction
+    path = str(embedding_model_path())
+    SentenceTransformerEmbeddingFunction.models.setdefault(path, load_embedder())
+    return SentenceTransformerEmbeddingFunction(model_name=path, device="cpu", normalize_embeddings=True,
+                                                local_files_only=True)
 
 
 def _is_auth_error(e: Exception) -> bool:
