@@ -177,7 +177,8 @@ def test_empty_stop_strings_are_ignored(tokenizer):
     (dict(max_tokens=0), "max_new_tokens"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(stop=[3]), "stop"),
-    (dict(check_layers=99, filter_layer=100), "check layer"),
+    (dict(method="cacheblend", check_layers=99, filter_layer=100), "check layer"),
+    (dict(check_layers=99), "no option 'check_layers'; its options"),  # not an option of the default (relevance)
 ])
 def test_bad_request_options_are_clear_errors(tokenizer, kwargs, match):
     engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer)
