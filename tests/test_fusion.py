@@ -57,7 +57,7 @@ def test_partial_recompute_lies_between(engine):
 def test_layers_up_to_the_check_layer_are_fresh_for_every_row(engine):
     """CacheBlend computes every non-exact row through its check layers (§4.3), so their KV is full prefill's."""
     full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
-    blend = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.2, check_layers=(1,))
+    blend = engine.prefill(TEXTS, QUESTION, "cacheblend", recompute_ratio=0.2, check_layers=(1,))
     for layer in (0, 1):
         torch.testing.assert_close(blend.keys[layer], full.keys[layer], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(blend.values[layer], full.values[layer], atol=1e-5, rtol=1e-5)
@@ -124,15 +124,17 @@ def test_known_chunks_are_bounded_and_evicted_ids_still_resolve(tiny):
 
 def test_gradual_filtering_and_per_chunk_selection(engine):
     full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
-    gradual = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, candidate_factor=2, filter_layer=2)
+    gradual = engine.prefill(TEXTS, QUESTION, "cacheblend", recompute_ratio=0.3, candidate_factor=2,
+                             filter_layer=2)
     rows = gradual.stats["rows_per_layer"]
     assert rows[0] == rows[1] > rows[2] > rows[3]  # all but the exact prefix through check layer 1, then 0.6, 0.3 from 2
-    once = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, candidate_factor=1)
+    once = engine.prefill(TEXTS, QUESTION, "cacheblend", recompute_ratio=0.3, candidate_factor=1)
     assert once.stats["rows_per_layer"][2] == once.stats["rows_per_layer"][3] == rows[3]  # selected once, at layer 1
-    random = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, candidate_factor=1, selection="random")
+    random = engine.prefill(TEXTS, QUESTION, "cacheblend", recompute_ratio=0.3, candidate_factor=1,
+                            selection="random")
     assert random.stats["rows_per_layer"] == once.stats["rows_per_layer"]  # the control: as many rows, drawn at random
-    per_chunk = engine.prefill(TEXTS, QUESTION, recompute_ratio=0.3, selection="per_chunk", deviation="kv",
-                               check_layers=(1, 2), chunk_head_tokens=2)
+    per_chunk = engine.prefill(TEXTS, QUESTION, "cacheblend", recompute_ratio=0.3, selection="per_chunk",
+                               deviation="kv", check_layers=(1, 2), chunk_head_tokens=2)
     assert per_chunk.stats["num_recomputed"] > 0
     assert torch.isfinite(per_chunk.logits).all() and torch.isfinite(full.logits).all()
 
@@ -163,7 +165,7 @@ def test_ratio_out_of_range(engine, ratio):
                                            (dict(deviation="q"), "deviation")])
 def test_bad_cacheblend_options(engine, options, match):
     with pytest.raises(ConfigError, match=match):
-        engine.prefill(TEXTS, QUESTION, **options)
+        engine.prefill(TEXTS, QUESTION, "cacheblend", **options)
 
 
 def test_unknown_method(engine):
@@ -222,7 +224,7 @@ def test_concurrent_generation_is_serialised(engine):
 
 def test_stats_count_every_row_once_and_time_the_stages(engine):
     hole = "A hole: this passage was never ingested, so its KV is computed in context."
-    pre = engine.prefill(TEXTS[:2] + [hole], QUESTION, recompute_ratio=0.3, store_holes=False)
+    pre = engine.prefill(TEXTS[:2] + [hole], QUESTION, "cacheblend", recompute_ratio=0.3, store_holes=False)
     s = pre.stats
     assert s["num_hole_tokens"] > 0 and len(s["chunk_misses"]) == 1 and len(s["chunk_hits"]) == 2
     assert s["num_reused"] + s["num_exact_cached"] + s["num_computed"] + s["num_hole_tokens"] == s["num_tokens"]
