@@ -9,12 +9,13 @@ without changes. `CacheBlendPromptTemplate` and `create_stuff_chain` pass the ch
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 # Each public name, from the module that defines it. They load at first use (PEP 562): `cacheblend-rag ask`,
 # which needs the LLM and the chains, does not pay for building the chat model's pydantic classes (~0.3 s on a
 # 2-core CPU), and a command that only builds the CLI's parser pays for no LangChain at all (#41).
-_EXPORTS = {
+_EXPORTS = MappingProxyType({
     "StatsCallbackHandler": "callbacks",
     "RERANK_QUESTION": "chains", "create_map_reduce_chain": "chains", "create_map_rerank_chain": "chains",
     "create_stuff_chain": "chains", "parse_scored_answer": "chains",
@@ -24,7 +25,7 @@ _EXPORTS = {
     "ChromaRetriever": "retrievers", "ChunkIdRetriever": "retrievers", "document_chunk_id": "retrievers",
     "with_chunk_ids": "retrievers",
     "iter_vectorstore_documents": "warm", "warm_from_vectorstore": "warm",
-}
+})
 
 if TYPE_CHECKING:
     from langchain_cacheblend.callbacks import StatsCallbackHandler

@@ -151,6 +151,8 @@ class _NewPerRunTree:
     `RetrievedPassages` yet, i.e. at the root of a run tree; the runs below inherit that one. Stateless: the
     passages live on the run tree's callback managers, not here."""
 
+    name = "langchain_cacheblend_retrieved"  # as a ContextVar's: what LangChain's registry lists hooks by
+
     def get(self) -> RetrievedPassages:
         """A new recorder, for a run tree that has none."""
         return RetrievedPassages()
