@@ -581,9 +581,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         server.scheduler.start()
         # the grammar compiler's one-time set-up (0.5-1.9 s, GIL-bound) while the server is still idle, not in the
         # first tool call's latency; a request arriving meanwhile waits for the part it needs
-        grammars = getattr(engine, "grammars", None)
-        if grammars is not None and hasattr(grammars, "warm_up"):
-            grammars.warm_up()
+        engine.grammars.warm_up()
         logger.info("serving %r (queue %d, timeout %.0f s, auth %s)", config.model_name, config.max_queue,
                     config.timeout_s, f"{len(config.api_keys)} key(s)" if config.api_keys else "off")
         try:

@@ -34,9 +34,9 @@ DEFAULT_METHOD: str = Relevance.name
 deviation ranking: at the same 15 % it keeps the answers on look-alike pages and after an agent's tool, and is
 closer to full prefill on distinct documents (docs/benchmarks.md, "Which method is the default")."""
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse", "HKVDSelection", "Policy",
-           "PrefixCache", "Relevance", "all_option_names", "call_options", "make_policy", "option_names",
-           "register_policy", "takes_ratio"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse",
+           "HKVDSelection", "Policy", "PrefixCache", "Relevance", "all_option_names", "call_options", "make_policy",
+           "option_names", "register_policy", "takes_ratio"]
 
 
 def register_policy(policy_cls: type) -> type:
