@@ -530,3 +530,24 @@ def test_cacheblend_recomputes_lookalike_pages_whole_and_keeps_the_invariants(ti
     assert _max_diff(engine.prefill(LOOKALIKE_PAGES, question, method="relevance", recompute_ratio=0.0), reuse) == 0.0
     with pytest.raises(ConfigError, match="lookalike"):
         engine.prefill(LOOKALIKE_PAGES, question, recompute_ratio=0.15, lookalike=2.0)
+
+
+def test_a_lookalike_group_is_recomputed_with_its_first_page(tiny):
+    """Where a look-alike group's first page is reused too (a plain-string prompt, or an agent's step after a tool:
+    the question before the pages), the first page is recomputed with the pages that look like it, so the group
+    is the model's own prefill: a stale first page costs the answers on the pages after it (docs/benchmarks.md)."""
+    _, model, tokenizer = tiny
+    prompt = "Answer from these pages.\n\n" + "\n\n".join(LOOKALIKE_PAGES) + "\n\nHow much does the Trolum X4 cost?"
+    pages = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in LOOKALIKE_PAGES)
+    for method in ("relevance", "cacheblend"):
+        for lookalike in (None, 0.2):  # each on a fresh engine: the prompt's opening is new, every page reused
+            engine = CacheBlendEngine(model, tokenizer)
+            engine.ingest(LOOKALIKE_PAGES, show_progress=False)
+            fused = engine.prefill_prompt(prompt, method=method, recompute_ratio=0.15, lookalike=lookalike)
+            full = engine.prefill_prompt(prompt, method="full_prefill")
+            assert fused.stats["num_reused"] >= pages - 3, method  # every page (edge tokens merged aside)
+            if lookalike is None:
+                assert _max_diff(fused, full) > 1e-3, method  # stale pages: not the model's own prefill
+            else:
+                assert fused.stats["lookalike_rows"] == fused.stats["num_reused"], method
+                assert _max_diff(fused, full) <= 1e-4, method

@@ -11,7 +11,11 @@ shared *without* content shared, which token n-grams measure directly:
 
 (3- and 8-grams of token ids). FAQ pages score 0.27–0.45; MuSiQue's retrieved passages 0.00–0.14, though they
 repeat each other almost whole (their 3- and 8-gram shares are both ~0.95). A page above the threshold is
-recomputed in full; the first page of a look-alike group keeps its reused KV.
+recomputed in full, and so is the earlier page it borrows most phrasing from: a group's first page left stale
+loses the answers on the pages after it in an agent's step after a tool (the question before the pages: on the
+FAQ tool frame, Qwen, N = 40, 20/40 right with the first page stale, 30/40 as full prefill with it recomputed;
+docs/benchmarks.md). A page whose KV is exact already (after the very opening it was computed behind) is not
+recomputed.
 """
 
 from __future__ import annotations
@@ -45,8 +49,19 @@ def lookalike_scores(pages: list[list[int]]) -> list[float]:
     return scores
 
 
+def lookalike_group(pages: list[list[int]], threshold: float) -> list[bool]:
+    """Per page (token ids, in prompt order): whether it is in a look-alike group — its score above `threshold`,
+    or the earlier page that such a page shares the most 3-grams with."""
+    shorts = [_grams(ids, SHORT) for ids in pages]
+    flagged = [score > threshold for score in lookalike_scores(pages)]
+    group = list(flagged)
+    for j in (j for j, f in enumerate(flagged) if f):
+        group[max(range(j), key=lambda i: len(shorts[j] & shorts[i]))] = True
+    return group
+
+
 def lookalike_rows(seq: FusedSequence, threshold: float | None) -> torch.Tensor:
-    """(N,) bool: the reused rows of every chunk whose look-alike score is above `threshold` (None: none)."""
+    """(N,) bool: the reused rows of every chunk in a look-alike group (`lookalike_group`; None: none)."""
     rows = torch.zeros_like(seq.cached)
     segments = seq.segment_of_row
     chunk_ids = sorted(set(segments[segments >= 0].tolist()))  # every chunk, an exact first one included
@@ -54,8 +69,8 @@ def lookalike_rows(seq: FusedSequence, threshold: float | None) -> torch.Tensor:
         return rows
     ids = seq.token_ids
     pages = [ids[segments == c].tolist() for c in chunk_ids]
-    for c, score in zip(chunk_ids, lookalike_scores(pages)):
-        if score > threshold:
+    for c, in_group in zip(chunk_ids, lookalike_group(pages, threshold)):
+        if in_group:
             rows |= segments == c
     return rows & seq.reused
 

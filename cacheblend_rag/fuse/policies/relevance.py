@@ -91,7 +91,9 @@ class Relevance(Policy):
         first = adapter.num_layers // 3 if self.from_layer is None else self.from_layer
         if first >= adapter.num_layers:
             raise ConfigError(f"from_layer {first} ≥ the model's {adapter.num_layers} layers")
-        score = question_relevance(adapter, seq, first)
         lookalike = lookalike_rows(seq, self.lookalike)
+        if bool(lookalike[reused].all()):  # every reused page is in a look-alike group: no probe, all recomputed
+            return LookalikeRows(torch.ones_like(seq.cached), lookalike_rows=num_reused)
+        score = question_relevance(adapter, seq, first)
         return LookalikeRows(~seq.cached | top_rows(score, seq, self.recompute_ratio) | lookalike,
                              lookalike_rows=int(lookalike.sum()))
