@@ -1,7 +1,8 @@
 """The registry of token-selection policies: method name → policy class. Engine, CLI and bench all read it.
 
 To add a policy: write `fuse/policies/<name>.py` (a frozen dataclass subclassing `fuse.policy.Policy`, with
-`name`, `place` and `start`) and add one line to `POLICIES` below.
+`name`, `place` and `start`, and `chunk_state` if it keeps state per chunk across requests) and add one line to
+`POLICIES` below.
 """
 
 from __future__ import annotations
