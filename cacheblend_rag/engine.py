@@ -31,15 +31,14 @@ from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
 from .fuse.placement import Placements
-from .fuse.policies import CacheCraft
+from .fuse.policies import VARIANT_POLICIES
 from .fuse.policy import FusionRequest, Policy
 from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_pending
 from .fuse.sequence import FusedSequence
-from .fuse.variants import VariantStore
 from .ingest.chunks import Chunk, chunk_id, looks_like_chunk_id, make_chunk
 from .ingest.index import ChunkIndex, normalize_prompt_map
 from .ingest.learner import PassageLearner
-from .ingest.neighbors import NEIGHBOR_QUESTION, VARIANT_KINDS, Embed, default_embed, nearest_neighbors
+from .ingest.neighbors import NEIGHBOR_QUESTION, Embed, default_embed, nearest_neighbors
 from .ingest.registry import ChunkRegistry
 from .loading.controller import LoadingController, RatioDecision
 from .loading.profile import load_or_measure
@@ -143,10 +142,10 @@ class CacheBlendEngine:
         # prefix_store: where they live, any store spec (a shared disk folder or Redis lets a conversation move
         # between replicas); by default a memory tier of its own, LRU-bounded by DEFAULT_PREFIX_BYTES
         prefixes = MemoryStore(DEFAULT_PREFIX_BYTES) if prefix_store is None else open_store(prefix_store)
-        self.variants = VariantStore.beside(self.kv_store)  # Cache-Craft's variants, handed to policies by the cache
+        # a policy's per-chunk state (Cache-Craft's variants) lives in the cache: `cache.policy_state(policy)`
         self.cache = ChunkCache(self.adapter, self.kv_store, self.fingerprint, self._lead_in_ids(lead_in),
                                 prefetch_depth, prefix_block=PREFIX_BLOCK if prefix_reuse else 0,
-                                prefix_store=prefixes, variants=self.variants)
+                                prefix_store=prefixes)
         self._warned_keep = False
         self.quality_floor = quality_floor  # r*: recompute_ratio="auto" never goes below it
         self.home = home
@@ -257,8 +256,8 @@ class CacheBlendEngine:
         their answers under reuse (docs/benchmarks.md, "Right answers among look-alike documents"); ingest costs
         about twice the compute, a request nothing more.
         """
-        if variants is not None and variants not in VARIANT_KINDS:
-            raise ConfigError(f"variants must be one of {VARIANT_KINDS} or None, got {variants!r}")
+        if variants is not None and variants not in VARIANT_POLICIES:
+            raise ConfigError(f"variants must be one of {tuple(VARIANT_POLICIES)} or None, got {variants!r}")
         if behind not in BEHIND:
             raise ConfigError(f"behind must be one of {BEHIND}, got {behind!r}")
         if isinstance(texts, str):
@@ -308,7 +307,9 @@ class CacheBlendEngine:
     def ingest_variants(self, chunk_ids: Iterable[str], *, k: int = 2, embed: Embed | None = None,
                         show_progress: bool = True) -> int:
         """Store each chunk's KV as computed after its k most similar of `chunk_ids` (Cache-Craft variants that
-        `method="cachecraft"` reuses when those chunks come before it again); returns how many were stored."""
+        `method="cachecraft"` reuses when those chunks come before it again); returns how many were stored.
+        The request run per chunk is the registry's (`fuse.policies.VARIANT_POLICIES["neighbors"]`): the policy
+        keeps the chunk in its own per-chunk state, and each prefill says how many entries it kept."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"neighbors must be an integer ≥ 1, got {k!r}")
         ids = list(dict.fromkeys(chunk_ids))
@@ -316,18 +317,16 @@ class CacheBlendEngine:
             return 0
         texts = [self.resolve_chunk(c).text for c in ids]
         vectors = torch.as_tensor((embed or default_embed)(texts), dtype=torch.float32)
-        policy = CacheCraft.neighbor_variants()
+        policy = VARIANT_POLICIES["neighbors"]()
         stored = 0
         for i, near in enumerate(tqdm(nearest_neighbors(vectors, k), desc="neighbour variants", unit="chunk",
                                       disable=not show_progress)):
             for start in range(len(near)):  # too long for the window: the least similar neighbour goes first
-                with self._lock:  # no other request adds variants between the two counts
-                    before = self.variants.num_added
-                    try:
-                        self.prefill([*(ids[j] for j in near[start:]), ids[i]], NEIGHBOR_QUESTION, policy)
-                    except PromptTooLongError:
-                        continue
-                    stored += self.variants.num_added - before
+                try:
+                    pre = self.prefill([*(ids[j] for j in near[start:]), ids[i]], NEIGHBOR_QUESTION, policy)
+                except PromptTooLongError:
+                    continue
+                stored += pre.kept
                 break
         return stored
 

@@ -1,4 +1,4 @@
-"""Cache-Craft (fuse/policies/cachecraft/, fuse/variants.py): equations, variants, robustness, stats."""
+"""Cache-Craft (fuse/policies/cachecraft/, its variants.py): equations, variants, robustness, stats."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from cacheblend_rag.fuse.policies import POLICIES, CacheCraft, make_policy
 from cacheblend_rag.fuse.policies.cachecraft import (DEFAULT_ALPHA, cache_fix_overhead, focused_chunks,
                                                      order_penalty, prefix_overlap)
 from cacheblend_rag.ingest.chunks import Chunk
-from cacheblend_rag.fuse.variants import Variant, VariantStore, cci, variant_kv_id
+from cacheblend_rag.fuse.policies.cachecraft.variants import Variant, VariantStore, cci, variant_kv_id
 from cacheblend_rag.store import ChunkKV, DiskStore, KVKey
 
 from conftest import tiny_model
@@ -133,7 +133,7 @@ def test_random_tokens_ablation_keeps_the_budget(engine):
 
 
 def _variant_rows(engine) -> tuple[VariantStore, list[tuple]]:
-    variants = engine.variants
+    variants = engine.cache.policy_state(CacheCraft)
     db = sqlite3.connect(variants.path)
     try:
         return variants, db.execute("SELECT chunk_id, kv_id FROM variants").fetchall()
@@ -296,7 +296,7 @@ def test_ingest_neighbor_variants_are_reused_when_the_neighbours_come_first(engi
 
     ids = engine.ingest(TEXTS, variants="neighbors", neighbors=2, embed=_bag_of_words, show_progress=False)
     near = nearest_neighbors(torch.tensor(_bag_of_words(TEXTS)), 2)
-    variants = engine.variants
+    variants = engine.cache.policy_state(CacheCraft)
     for i, cid in enumerate(ids):
         contexts = [v.context for v in variants.lookup(engine.namespace, cid)]
         assert tuple(ids[j] for j in near[i]) in contexts  # computed after its two nearest, least similar first
@@ -348,7 +348,7 @@ def test_cachecraft_guard_reads_zero_when_nothing_reused_stays_stale(engine):
 def test_side_car_files_live_in_the_folder_the_store_declares(tmp_path):
     """Variants' metadata goes where the store says side-car files go: the disk tier's folder, else a private
     temporary database (a memory-only or Redis-only store has no folder)."""
-    from cacheblend_rag.fuse.variants import VARIANTS_FILE
+    from cacheblend_rag.fuse.policies.cachecraft.variants import VARIANTS_FILE
     from cacheblend_rag.store import MemoryStore, TieredStore
 
     disk = DiskStore(tmp_path / "kv")
@@ -361,11 +361,27 @@ def test_side_car_files_live_in_the_folder_the_store_declares(tmp_path):
 
 
 def test_the_engine_owns_its_variant_store(tokenizer, tmp_path):
-    """One VariantStore per engine, beside its disk tier with the chunk index, and the one the policy stores into."""
+    """One VariantStore per engine (its cache's, made by the policy), beside its disk tier with the chunk index, and
+    the one the policy stores into."""
     engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, kv_store=tmp_path / "kv")
+    variants = engine.cache.policy_state(CacheCraft)
     folder = engine.kv_store.side_car_dir()
-    assert folder is not None and engine.variants.path.parent == folder
+    assert folder is not None and variants.path.parent == folder
     assert engine.index.path == folder / "chunk-index.sqlite"  # the chunk index takes its folder from there too
     engine.prefill(TEXTS, QUESTION, "cachecraft", first_use="full")
-    stored = [v for c in engine.ingest(TEXTS, show_progress=False) for v in engine.variants.lookup(engine.namespace, c)]
-    assert stored and engine.variants.num_added == len(stored)
+    stored = [v for c in engine.ingest(TEXTS, show_progress=False) for v in variants.lookup(engine.namespace, c)]
+    assert stored and variants.num_added == len(stored)
+
+
+def test_a_policy_state_is_made_once_per_cache_and_shared_by_salted_views(engine):
+    """`ChunkCache.policy_state`: the policy's own `chunk_state`, made on first use, one per method name; salted
+    views share it (its entries are named by their namespace); a method that keeps none has None."""
+    from cacheblend_rag.fuse.policies import Relevance
+
+    variants = engine.cache.policy_state(CacheCraft)
+    assert isinstance(variants, VariantStore) and variants.store is engine.kv_store
+    assert engine.cache.policy_state(make_policy("cachecraft", alpha=0.3)) is variants
+    assert engine.cache.salted("client-a").policy_state(CacheCraft) is variants
+    assert engine.cache.policy_state(Relevance) is None
+    pre = engine.prefill(TEXTS, QUESTION, "cachecraft", first_use="full")  # cold: holes, nothing kept in context
+    assert pre.kept == pre.stats["cachecraft"]["variants_stored"] == variants.num_added

@@ -334,3 +334,65 @@ def test_the_default_method_is_written_once():
              if "tests" not in path.parts
              for n, line in enumerate(path.read_text().splitlines(), 1) if spelled.search(line)]
     assert not found, "a default method spelled out instead of DEFAULT_METHOD:\n" + "\n".join(found)
+
+
+# ---- the engine and the chunk cache name no policy: a policy's per-chunk state is its own ---------------------
+
+POLICY_MODULES = f"{TOP}.fuse.policies."
+"""Each policy's own modules (and its state: Cache-Craft's variants live in `fuse.policies.cachecraft`)."""
+
+
+def policy_imports(module: Module, modules: dict[str, Module]) -> list[str]:
+    """`line target` for every import in `module` (TYPE_CHECKING and functions included) of a policy's own module
+    (under `fuse.policies.`, or the old `fuse.variants`), or of a name defined in one (a policy class re-exported
+    by the registry); the registry itself (`fuse.policies`: make_policy, DEFAULT_METHOD...) and `fuse.policy`
+    (the `Policy` ABC) are the boundary, free to import."""
+    import importlib
+
+    found = []
+    for node in ast.walk(ast.parse(module.path.read_text(), filename=str(module.path))):
+        if isinstance(node, ast.Import):
+            targets = [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_relative(module, node.level, node.module) if node.level else (node.module or "")
+            targets = [(f"{base}.{a.name}", None) if f"{base}.{a.name}" in modules else (base, a.name)
+                       for a in node.names]
+        elif _is_import_module(node):
+            targets = [(node.args[0].value, None)]
+        else:
+            continue
+        for target, name in targets:
+            if target.startswith(POLICY_MODULES) or target == f"{TOP}.fuse.variants":
+                found.append(f"{node.lineno} {target}")
+            elif name is not None and target.startswith(TOP):
+                defined_in = getattr(getattr(importlib.import_module(target), name, None), "__module__", "") or ""
+                if defined_in.startswith(POLICY_MODULES):
+                    found.append(f"{node.lineno} {target}.{name} (from {defined_in})")
+    return found
+
+
+def test_policy_import_checker_finds_modules_and_re_exported_classes(tmp_path, monkeypatch):
+    modules = {
+        f"{TOP}.engine": Module(f"{TOP}.engine", False, tmp_path / "engine.py"),
+        f"{TOP}.fuse.policies.cachecraft": Module(f"{TOP}.fuse.policies.cachecraft", True, tmp_path / "x.py"),
+    }
+    (tmp_path / "engine.py").write_text(
+        "from .fuse.policies import CacheCraft, make_policy, DEFAULT_METHOD\n"
+        "from .fuse.policy import Policy\n"
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .fuse.variants import VariantStore\n"
+        "def f():\n    from .fuse.policies import cachecraft\n")
+    assert policy_imports(modules[f"{TOP}.engine"], modules) == [
+        f"1 {TOP}.fuse.policies.CacheCraft (from {TOP}.fuse.policies.cachecraft.selection)",
+        f"5 {TOP}.fuse.variants",
+        f"7 {TOP}.fuse.policies.cachecraft",
+    ]
+
+
+@pytest.mark.parametrize("name", ["engine", "fuse.chunk_cache", "fuse.prefill", "fuse.policy"])
+def test_the_engine_and_the_cache_import_no_policy(name):
+    """They reach policies through the registry and the `Policy` ABC only (what the prefill may ask of any policy,
+    `chunk_state` included), so a policy with per-chunk state is one module and one registry line."""
+    modules = discover()
+    found = policy_imports(modules[f"{TOP}.{name}"], modules)
+    assert not found, f"{TOP}.{name} imports a policy's own module or class:\n  " + "\n  ".join(found)

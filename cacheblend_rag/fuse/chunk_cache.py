@@ -30,11 +30,10 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,11 +42,8 @@ from ..ingest.chunks import Chunk
 from ..models.adapter import LlamaFamilyAdapter, RopeTables
 from ..store import ChunkKV, KVKey, KVStore, LayerReader, ResidentReader, SlicedReader
 from .loop import run_layers
-from .policy import RowSelection
+from .policy import Policy, RowSelection
 from .sequence import FusedSequence, Placement
-
-if TYPE_CHECKING:  # typing only: variants.py imports this module
-    from .variants import VariantStore
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +98,13 @@ class ChunkCache:
 
     def __init__(self, adapter: LlamaFamilyAdapter, store: KVStore, fingerprint: str, lead_in_ids: Sequence[int],
                  prefetch_depth: int = 0, prefix_block: int = PREFIX_BLOCK,
-                 prefix_store: KVStore | None = None, *, variants: "VariantStore") -> None:
+                 prefix_store: KVStore | None = None) -> None:
         self.adapter = adapter
         self.store = store
-        self.variants = variants  # chunk KV computed after other chunks (Cache-Craft): the engine's, handed to policies
+        # method name → the per-chunk state that method keeps over `store` (`Policy.chunk_state`: Cache-Craft's
+        # variants), made on first use and shared by the salted views
+        self._policy_states: dict[str, object | None] = {}
+        self._policy_states_lock = threading.Lock()
         self.fingerprint = fingerprint
         self.salt = ""  # "" unsalted (shared); a salted view's own salt (`salted`)
         self.lead_in_ids = list(lead_in_ids)
@@ -132,6 +131,16 @@ class ChunkCache:
         view.salt = salt
         view.namespace = view.namespace_for(view.lead_in_ids)
         return view
+
+    def policy_state(self, policy: Policy | type[Policy]) -> object | None:
+        """The per-chunk state `policy`'s method keeps beside this cache's store (`Policy.chunk_state`), made the
+        first time it is asked for: one per method name, shared by the salted views (the state names its entries by
+        the namespace it is given). None for a method that keeps none."""
+        cls = policy if isinstance(policy, type) else type(policy)
+        with self._policy_states_lock:
+            if cls.name not in self._policy_states:
+                self._policy_states[cls.name] = cls.chunk_state(self.store)
+            return self._policy_states[cls.name]
 
     def namespace_for(self, lead_in_ids: Sequence[int], salt: str | None = None) -> str:
         """Fingerprint of model, tokenizer, lead-in and salt (default: this cache's): every KV it names was

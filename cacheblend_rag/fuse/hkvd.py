@@ -60,6 +60,12 @@ def hkvd_score(view: LayerView, kind: str = "k", weight: str = "attention") -> t
     return score
 
 
+def reuse_budget(seq: FusedSequence, ratio: float) -> tuple[int, int]:
+    """(reused rows, how many of them `ratio` recomputes, rounded)."""
+    num_reused = int(seq.reused.sum())
+    return num_reused, round(ratio * num_reused)
+
+
 def top_rows(score: torch.Tensor, seq: FusedSequence, ratio: float, selection: str = "global") -> torch.Tensor:
     """(N,) bool: the top `ratio` of reused rows by score (-inf: not eligible), over all chunks or per chunk."""
     score = score.masked_fill(~seq.reused, -math.inf)  # only reused rows compete

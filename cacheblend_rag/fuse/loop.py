@@ -53,8 +53,9 @@ class Selection(Protocol):
     def report(self) -> dict:
         """After the loop: what the selection wants in the request's stats (e.g. {"guard": {...}}), or {}."""
 
-    def after_request(self, result: "LoopResult") -> None:
-        """After the first token: keep what the request computed (Cache-Craft stores its variants), or nothing."""
+    def after_request(self, result: "LoopResult") -> int:
+        """After the first token: keep what the request computed (Cache-Craft stores its variants), or nothing;
+        how many entries it kept (`Prefill.kept`)."""
 
 
 @dataclass

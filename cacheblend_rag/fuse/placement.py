@@ -126,3 +126,12 @@ def every_chunk(cache: ChunkCache, request: FusionRequest) -> Placements:
         # The first chunk after the very prefix it was precomputed behind is exact.
         out.placements.append(Placement(start, reader, exact=first and (follows_lead_in or own is not None)))
     return out
+
+
+class EveryChunk:
+    """A policy's `place` that puts the exact prefix and every stored chunk (`every_chunk`): full reuse, CacheBlend
+    and relevance differ only in the rows they recompute over it."""
+
+    def place(self, cache: ChunkCache, request: FusionRequest) -> Placements:
+        """The exact prefix and every stored chunk."""
+        return every_chunk(cache, request)

@@ -3,9 +3,11 @@
     policy.place(cache, request) -> Placements      which cached KV goes where; hits, misses, holes to store
     policy.start(adapter, seq, placed) -> Selection  per request: rows active at layer 0, `keep(view)` per layer
                                                      (`placed` is what `place` returned: its plan, by value)
+    Policy.chunk_state(store) -> object | None       optional: per-chunk state the method keeps beside the chunk KV
+                                                     (Cache-Craft's variants), one per cache: `cache.policy_state(p)`
 
 The one layer loop (`fuse.loop.run_layers`) drives the selection; no policy runs a loop of its own.
-A new policy is one module in `fuse/policies/` plus one line in its registry.
+A new policy is one module in `fuse/policies/` plus one line in its registry, its per-chunk state included.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .loop import LayerView, LoopResult, Selection
 
 if TYPE_CHECKING:  # typing only: the cache imports the loop, not the policies
     from ..models.adapter import LlamaFamilyAdapter
+    from ..store import KVStore
     from .chunk_cache import ChunkCache
     from .placement import Placements
     from .sequence import FusedSequence
@@ -62,6 +65,13 @@ class Policy(ABC):
     def start(self, adapter: "LlamaFamilyAdapter", seq: "FusedSequence", placed: "Placements") -> Selection:
         """This request's selection (active rows at layer 0, narrowed layer by layer), from what `place` returned."""
 
+    @classmethod
+    def chunk_state(cls, store: "KVStore") -> object | None:
+        """The state this method keeps per chunk beside `store`'s chunk KV, shared by every request on a cache (e.g.
+        Cache-Craft's variants). `ChunkCache.policy_state(policy)` makes it on first use, once per cache and method
+        name; the method reads it there in `place`. None (the default): the method keeps none."""
+        return None
+
 
 @dataclass
 class RowSelection:
@@ -78,5 +88,6 @@ class RowSelection:
         """Nothing to add to the stats."""
         return {}
 
-    def after_request(self, result: LoopResult) -> None:
+    def after_request(self, result: LoopResult) -> int:
         """Nothing to keep."""
+        return 0

@@ -128,6 +128,7 @@ class Prefill:
     # chunks to compute behind a recurring opening after the answer (store_holes=False: `store_pending`)
     unlearned: list[Chunk] = field(default_factory=list, repr=False)
     opening: list[int] = field(default_factory=list, repr=False)
+    kept: int = 0  # entries the policy kept after the first token (Cache-Craft: variants stored; `after_request`)
 
 
 _STATS_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestStats))
@@ -173,11 +174,11 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
     for p in run.placed.placements:
         by_tier[p.kv.tier] = by_tier.get(p.kv.tier, 0) + p.kv.bytes_read
     run.placed.close()  # after the first token: promotion reads the layers the loop skipped
-    run.selection.after_request(run.result)  # e.g. Cache-Craft keeps its variants, after the first token
+    kept = run.selection.after_request(run.result)  # e.g. Cache-Craft keeps its variants, after the first token
     stats = _stats(run, request.chunks, ttft, by_tier)
     out = Prefill(run.logits, stats, request.layout.token_ids, run.result.keys, run.result.values,
                   [c.chunk_id for c in request.chunks], run.placed.holes, run.placed.to_learn,
-                  request.prefix_ids if run.placed.to_learn else [])
+                  request.prefix_ids if run.placed.to_learn else [], kept)
     if store_holes:
         store_pending(cache, out)
     return out

@@ -15,7 +15,6 @@ import torch
 
 Embed = Callable[[list[str]], Sequence[Sequence[float]]]
 
-VARIANT_KINDS = ("neighbors",)  # what `ingest(variants=...)` can precompute
 NEIGHBOR_QUESTION = "Which of these passages are related?"  # the question rows do not touch the chunk's KV
 
 

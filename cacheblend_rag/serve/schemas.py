@@ -59,6 +59,12 @@ def check_json(value: Any, where: str, *, schema: bool = False) -> None:
             raise ValueError(f"{where}: a number that is not finite")
 
 
+def _compilable_schema(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A field validator: a JSON schema the grammar engine can compile (`check_json`)."""
+    check_json(value, "the schema", schema=True)
+    return value
+
+
 class _Body(BaseModel):
     """A part of a request body: its text fields must be encodable text."""
 
@@ -306,11 +312,7 @@ class FunctionSpec(_Body):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # accepted; the arguments' schema is always enforced
 
-    @field_validator("parameters")
-    @classmethod
-    def _compilable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        check_json(value, "the schema", schema=True)
-        return value
+    _compilable = field_validator("parameters")(_compilable_schema)
 
 
 class Tool(_Body):
@@ -332,11 +334,7 @@ class JSONSchemaFormat(_Body):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # accepted; the schema is always enforced
 
-    @field_validator("schema_")
-    @classmethod
-    def _compilable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        check_json(value, "the schema", schema=True)
-        return value
+    _compilable = field_validator("schema_")(_compilable_schema)
 
 
 class ResponseFormat(_Body):

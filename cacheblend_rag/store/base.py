@@ -165,6 +165,20 @@ STORED_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": t
 stored text."""
 
 
+LOGGED_CHARS = 200  # longest header value or reason a tier echoes into a log line
+
+
+def short_repr(value: object) -> str:
+    """A value for a log line, cut to a bounded length (headers are untrusted input)."""
+    text = repr(value)
+    return text if len(text) <= LOGGED_CHARS else f"{text[:LOGGED_CHARS]}... ({len(text)} chars)"
+
+
+def cast_overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
+    """Whether casting `src` turned finite values into inf (one pass over the cast in the usual no-inf case)."""
+    return bool(torch.isinf(cast).any()) and bool((torch.isfinite(src.to(cast.device)) & ~torch.isfinite(cast)).any())
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype's name as a header writes it (`torch.float16` -> "float16")."""
     return str(dtype).removeprefix("torch.")
@@ -232,6 +246,38 @@ class ResidentReader(LayerReader):
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class WrappedReader(LayerReader):
+    """Another reader's entry as a tier's wrapper sees it (pacing, promotion): its key, tokens, layers and bytes
+    read; a subclass adds what it does around them."""
+
+    def __init__(self, reader: LayerReader, tier: str | None = None) -> None:
+        self._reader = reader
+        self.key, self.tier, self.token_ids = reader.key, reader.tier if tier is None else tier, reader.token_ids
+        self.num_layers, self.layer_nbytes = reader.num_layers, reader.layer_nbytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens."""
+        return self._reader.num_tokens
+
+    @property
+    def bytes_read(self) -> int:
+        """Stored bytes the inner reader read (a wrapper reads none of its own)."""
+        return self._reader.bytes_read
+
+    @bytes_read.setter
+    def bytes_read(self, value: int) -> None:
+        self._reader.bytes_read = value
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer from the inner reader."""
+        return self._reader.layer(layer)
+
+    def close(self) -> None:
+        """Release the inner reader."""
+        self._reader.close()
 
 
 class SlicedReader(LayerReader):

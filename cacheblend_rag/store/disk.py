@@ -25,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from ..errors import ConfigError, KVWriteError
-from .base import (STORED_DTYPES, ChunkKV, EntryReader, KVKey, KVStore, LayerReadError, dtype_name, raw_layer_nbytes,
-                   token_ids_digest)
+from .base import (LOGGED_CHARS, STORED_DTYPES, ChunkKV, EntryReader, KVKey, KVStore, LayerReadError, cast_overflows,
+                   dtype_name, raw_layer_nbytes, short_repr, token_ids_digest)
 from .codecs import CODECS, KVCodec, RawCodec, get_codec
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,6 @@ _INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_d
 MAX_HEADER_BYTES = 1024**2  # ours are ~10 kB; a larger header is hostile or foreign and never parsed
 QUARANTINE_MAX_FILES = 32  # oldest quarantined files beyond this are deleted
 STALE_TEMP_S = 24 * 3600  # a temp file this old is stale even if its writer's pid was reused
-_LOGGED_CHARS = 200  # longest header value or reason echoed into a log line
 
 
 class _Corrupt(Exception):
@@ -57,12 +56,6 @@ class _LayerOutOfRange(IndexError):
 
 def _crc(t: torch.Tensor) -> str:
     return str(zlib.crc32(t.contiguous().view(torch.uint8).numpy()))
-
-
-def _short(value: object) -> str:
-    """A value for a log line, cut to a bounded length (headers are untrusted input)."""
-    text = repr(value)
-    return text if len(text) <= _LOGGED_CHARS else f"{text[:_LOGGED_CHARS]}... ({len(text)} chars)"
 
 
 _FD_DIR = Path("/proc/self/fd")  # Linux: re-opening /proc/self/fd/N opens the very inode fd N holds
@@ -102,11 +95,6 @@ def _pid_alive(pid: int) -> bool:
     except OSError:  # exists, owned by someone else
         return True
     return True
-
-
-def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
-    """Whether casting turned finite values into inf/nan."""
-    return bool((torch.isfinite(src.to(cast.device)) & ~torch.isfinite(cast)).any())
 
 
 class DiskStore(KVStore):
@@ -309,7 +297,7 @@ class DiskStore(KVStore):
         src = [t.detach() for pair in zip(kv.keys, kv.values) for t in pair]
         dtype = self.dtype
         cast = [t.to("cpu", dtype) for t in src]
-        if any(s.dtype != c.dtype and _overflows(s, c) for s, c in zip(src, cast)):
+        if any(s.dtype != c.dtype and cast_overflows(s, c) for s, c in zip(src, cast)):
             logger.warning("KV of %s overflows %s; storing this entry in float32", key, dtype_name(dtype))
             dtype = torch.float32
             cast = [t.to("cpu", dtype) for t in src]
@@ -345,7 +333,7 @@ class DiskStore(KVStore):
     def _serialize_coded(self, key: KVKey, kv: ChunkKV, codec: KVCodec) -> bytes:
         """Version 2: each layer's codec tensors as `<layer>.<name>`, the codec named in the header."""
         dtype = self.dtype  # what readers decode to
-        if any(k.dtype != dtype and (_overflows(k, k.to(dtype)) or _overflows(v, v.to(dtype)))
+        if any(k.dtype != dtype and (cast_overflows(k, k.to(dtype)) or cast_overflows(v, v.to(dtype)))
                for k, v in zip(kv.keys, kv.values)):
             logger.warning("KV of %s overflows %s; this entry decodes to float32", key, dtype_name(dtype))
             dtype = torch.float32
@@ -422,15 +410,15 @@ class DiskStore(KVStore):
         if not meta:
             raise _Corrupt("no metadata header")
         if meta.get("format") != FORMAT or meta.get("format_version") not in (RAW_FORMAT_VERSION, FORMAT_VERSION):
-            raise _Corrupt(f"format {_short(meta.get('format'))} v{_short(meta.get('format_version'))}")
+            raise _Corrupt(f"format {short_repr(meta.get('format'))} v{short_repr(meta.get('format_version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
-            raise _Corrupt(f"file holds {_short(meta.get('namespace'))}/{_short(meta.get('chunk_id'))}, not {key}")
+            raise _Corrupt(f"file holds {short_repr(meta.get('namespace'))}/{short_repr(meta.get('chunk_id'))}, not {key}")
         if meta.get("dtype") not in STORED_DTYPES:
-            raise _Corrupt(f"unknown dtype {_short(meta.get('dtype'))}")
+            raise _Corrupt(f"unknown dtype {short_repr(meta.get('dtype'))}")
         for name in _INT_FIELDS:
             value = str(meta.get(name, ""))
             if not (value.isascii() and value.isdigit() and len(value) < 10):
-                raise _Corrupt(f"bad {name}={_short(meta.get(name))}")
+                raise _Corrupt(f"bad {name}={short_repr(meta.get(name))}")
         if int(meta["num_layers"]) < 1:
             raise _Corrupt("num_layers < 1")
         out = dict(meta)
@@ -448,15 +436,15 @@ class DiskStore(KVStore):
             raise _Corrupt(f"codec_params is not JSON: {e}") from None
         if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                    for k, v in params.items()):
-            raise _Corrupt(f"codec_params must be a JSON object of strings, got {_short(params)}")
+            raise _Corrupt(f"codec_params must be a JSON object of strings, got {short_repr(params)}")
         if name not in CODECS:
-            raise _Corrupt(f"unknown codec {_short(name)}")
+            raise _Corrupt(f"unknown codec {short_repr(name)}")
         try:
             codec = get_codec(name, **params)
         except ConfigError as e:
-            raise _Corrupt(f"codec {name} cannot be built from {_short(params)}: {e}") from None
+            raise _Corrupt(f"codec {name} cannot be built from {short_repr(params)}: {e}") from None
         if codec.version != version:
-            raise _Corrupt(f"codec {name} v{_short(version)} is not readable by this version (v{codec.version})")
+            raise _Corrupt(f"codec {name} v{short_repr(version)} is not readable by this version (v{codec.version})")
         return codec
 
     def _tensor(self, f, meta: dict, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -491,14 +479,14 @@ class DiskStore(KVStore):
                 continue
             index, _, name = full.partition(".")
             if not (index.isascii() and index.isdigit() and len(index) < 10 and name) or int(index) >= n_layers:
-                raise _Corrupt(f"unexpected tensor name {_short(full)}")
+                raise _Corrupt(f"unexpected tensor name {short_repr(full)}")
             sl = f.get_slice(full)
             numel = 1
             for d in sl.get_shape():
                 numel *= int(d)
             itemsize = _ITEMSIZE.get(sl.get_dtype())
             if itemsize is None:
-                raise _Corrupt(f"tensor {_short(full)} has unsupported dtype {_short(sl.get_dtype())}")
+                raise _Corrupt(f"tensor {short_repr(full)} has unsupported dtype {short_repr(sl.get_dtype())}")
             names, nbytes = layers[int(index)]
             names.append(name)
             layers[int(index)] = (names, nbytes + numel * itemsize)
@@ -533,7 +521,7 @@ class DiskStore(KVStore):
         return meta, token_ids, [self._layer(f, meta, i) for i in wanted]
 
     def _quarantine(self, path: Path, sig: tuple[int, ...], reason: str) -> None:
-        logger.warning("corrupt KV file %s (%s); moving it to %s", path, reason[:_LOGGED_CHARS], QUARANTINE_DIR)
+        logger.warning("corrupt KV file %s (%s); moving it to %s", path, reason[:LOGGED_CHARS], QUARANTINE_DIR)
         with self._lock:
             self._corrupt += 1
             self._forget(path)

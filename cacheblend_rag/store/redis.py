@@ -32,8 +32,8 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import torch
 
 from ..errors import ConfigError, KVWriteError, MissingDependencyError
-from .base import (STORED_DTYPES, ChunkKV, EntryReader, KVKey, KVStore, LayerReadError, dtype_name, raw_layer_nbytes,
-                   token_ids_digest)
+from .base import (LOGGED_CHARS, STORED_DTYPES, ChunkKV, EntryReader, KVKey, KVStore, LayerReadError, cast_overflows,
+                   dtype_name, raw_layer_nbytes, short_repr, token_ids_digest)
 from .codecs import CODECS, CodecError, KVCodec, RawCodec, get_codec
 
 if TYPE_CHECKING:
@@ -51,7 +51,6 @@ _CODEC_DTYPES = {**STORED_DTYPES, "uint8": torch.uint8, "int8": torch.int8, "int
                  "int32": torch.int32, "int64": torch.int64}
 _INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_dim", "positions_start")
 _INT_MAX = 10**9
-_LOGGED_CHARS = 200
 _META, _IDS = b"meta", b"ids"
 # Delete the entry only if it is still the version we judged bad (a concurrent put may have replaced it).
 _DELETE_IF_META = """
@@ -78,11 +77,6 @@ def _import_redis():
     return redis
 
 
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= _LOGGED_CHARS else f"{text[:_LOGGED_CHARS]}... ({len(text)} chars)"
-
-
 def _field(layer: int) -> bytes:
     return f"L{layer}".encode()
 
@@ -96,11 +90,6 @@ def _from_bytes(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) ->
     if len(data) == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
-
-
-def _overflows(src: torch.Tensor, cast: torch.Tensor) -> bool:
-    """Whether casting turned finite values into inf (one pass over the cast in the usual no-inf case)."""
-    return bool(torch.isinf(cast).any()) and bool((torch.isfinite(src) & ~torch.isfinite(cast)).any())
 
 
 def split_url(url: str) -> tuple[str, dict[str, str]]:
@@ -364,7 +353,7 @@ class RedisStore(KVStore):
         except self._redis.exceptions.RedisError as e:  # up, but refused the command (OOM, WRONGTYPE, ...)
             with self._lock:
                 self._errors += 1
-            raise _Failure(f"{type(e).__name__}: {_short(str(e))}") from e
+            raise _Failure(f"{type(e).__name__}: {short_repr(str(e))}") from e
         if self._down_since is not None:
             with self._lock:
                 down_since, self._down_since = self._down_since, None
@@ -383,7 +372,7 @@ class RedisStore(KVStore):
                 self._outages += 1
         if first:
             logger.warning("Redis KV tier at %s is unavailable (%s: %s); reads are misses and writes are skipped "
-                           "until it is back (said once per outage)", self.url, type(e).__name__, _short(str(e)))
+                           "until it is back (said once per outage)", self.url, type(e).__name__, short_repr(str(e)))
 
     def _count_miss(self) -> None:
         with self._lock:
@@ -400,7 +389,7 @@ class RedisStore(KVStore):
         dtype = self.dtype
         src = [(k.detach().cpu(), v.detach().cpu()) for k, v in zip(kv.keys, kv.values)]
         cast = [(k.to(dtype), v.to(dtype)) for k, v in src]
-        if dtype != torch.float32 and any(_overflows(s, c) for pair, cpair in zip(src, cast)
+        if dtype != torch.float32 and any(cast_overflows(s, c) for pair, cpair in zip(src, cast)
                                           for s, c in zip(pair, cpair) if s.dtype != c.dtype):
             logger.warning("KV of %s overflows %s; storing this entry in float32", key, dtype_name(dtype))
             dtype = torch.float32
@@ -433,7 +422,7 @@ class RedisStore(KVStore):
     def _serialize_coded(self, key: KVKey, kv: ChunkKV, codec: KVCodec) -> dict[bytes, bytes]:
         """Version 2: each layer's codec tensors in one field, their names, dtypes and shapes in the header."""
         dtype = self.dtype  # what readers decode to
-        if any(k.dtype != dtype and (_overflows(k, k.to(dtype)) or _overflows(v, v.to(dtype)))
+        if any(k.dtype != dtype and (cast_overflows(k, k.to(dtype)) or cast_overflows(v, v.to(dtype)))
                for k, v in zip(kv.keys, kv.values)):
             logger.warning("KV of %s overflows %s; this entry decodes to float32", key, dtype_name(dtype))
             dtype = torch.float32
@@ -502,15 +491,15 @@ class RedisStore(KVStore):
         if not isinstance(meta, dict):
             raise _Corrupt("header is not an object")
         if meta.get("format") != FORMAT or meta.get("version") not in (FORMAT_VERSION, CODED_VERSION):
-            raise _Corrupt(f"format {_short(meta.get('format'))} v{_short(meta.get('version'))}")
+            raise _Corrupt(f"format {short_repr(meta.get('format'))} v{short_repr(meta.get('version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
-            raise _Corrupt(f"entry holds {_short(meta.get('namespace'))}/{_short(meta.get('chunk_id'))}, not {key}")
+            raise _Corrupt(f"entry holds {short_repr(meta.get('namespace'))}/{short_repr(meta.get('chunk_id'))}, not {key}")
         if meta.get("dtype") not in STORED_DTYPES:
-            raise _Corrupt(f"unknown dtype {_short(meta.get('dtype'))}")
+            raise _Corrupt(f"unknown dtype {short_repr(meta.get('dtype'))}")
         for name in _INT_FIELDS:
             value = meta.get(name)
             if type(value) is not int or not 0 <= value < _INT_MAX:
-                raise _Corrupt(f"bad {name}={_short(value)}")
+                raise _Corrupt(f"bad {name}={short_repr(value)}")
         n_layers, n_tokens = meta["num_layers"], meta["num_tokens"]
         crcs = meta.get("layer_crc32")
         if n_layers < 1 or not isinstance(crcs, list) or len(crcs) != n_layers:
@@ -529,15 +518,15 @@ class RedisStore(KVStore):
         """The codec a version-2 header names, rebuilt from its parameters, its layer table checked; or _Corrupt."""
         name, params = meta.get("codec"), meta.get("codec_params")
         if not isinstance(name, str) or name not in CODECS:
-            raise _Corrupt(f"unknown codec {_short(name)}")
+            raise _Corrupt(f"unknown codec {short_repr(name)}")
         if not isinstance(params, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in params.items()):
-            raise _Corrupt(f"codec_params must be an object of strings, got {_short(params)}")
+            raise _Corrupt(f"codec_params must be an object of strings, got {short_repr(params)}")
         try:
             codec = get_codec(name, **params)
         except (CodecError, ConfigError, ValueError, TypeError) as e:
-            raise _Corrupt(f"codec {name} cannot be built from {_short(params)}: {e}") from None
+            raise _Corrupt(f"codec {name} cannot be built from {short_repr(params)}: {e}") from None
         if codec.version != meta.get("codec_version"):
-            raise _Corrupt(f"codec {name} v{_short(meta.get('codec_version'))} is not readable here (v{codec.version})")
+            raise _Corrupt(f"codec {name} v{short_repr(meta.get('codec_version'))} is not readable here (v{codec.version})")
         tables, sizes, n = meta.get("layer_tensors"), meta.get("layer_bytes"), meta["num_layers"]
         if not (isinstance(tables, list) and isinstance(sizes, list) and len(tables) == len(sizes) == n):
             raise _Corrupt("layer_tensors and layer_bytes must list every layer")
@@ -549,7 +538,7 @@ class RedisStore(KVStore):
                 if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
                         and entry[1] in _CODEC_DTYPES and isinstance(entry[2], list)
                         and all(type(d) is int and 0 <= d < _INT_MAX for d in entry[2])):
-                    raise _Corrupt(f"bad layer tensor entry {_short(entry)}")
+                    raise _Corrupt(f"bad layer tensor entry {short_repr(entry)}")
                 total += math.prod(entry[2]) * torch.empty(0, dtype=_CODEC_DTYPES[entry[1]]).element_size()
             if total != size:
                 raise _Corrupt("a layer's tensor sizes do not add up to its byte count")
@@ -597,7 +586,7 @@ class RedisStore(KVStore):
     def _drop(self, key: KVKey, raw_meta: bytes | None, reason: str, *, force: bool = False) -> None:
         """Delete a bad entry (unless a put replaced it meanwhile) and log it."""
         logger.warning("corrupt KV entry %s in Redis at %s (%s); deleting it", self.name_for(key), self.url,
-                       reason[:_LOGGED_CHARS])
+                       reason[:LOGGED_CHARS])
         with self._lock:
             self._corrupt += 1
         name = self.name_for(key)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .base import ChunkKV, KVKey, KVStore, LayerReader
+from .base import ChunkKV, KVKey, KVStore, LayerReader, WrappedReader
 
 GBIT = 1e9 / 8  # bytes per second of 1 Gbit/s
 MBIT = 1e6 / 8
@@ -44,29 +44,14 @@ class Link:
             time.sleep(delay)
 
 
-class ThrottledReader(LayerReader):
-    """A reader whose layers arrive no faster than the link allows (bytes counted from the inner reader)."""
+class ThrottledReader(WrappedReader):
+    """A reader whose layers arrive no faster than the link allows (bytes counted from the inner reader: what
+    crossed the simulated link)."""
 
     def __init__(self, reader: LayerReader, link: Link, tier: str) -> None:
-        self._reader = reader
+        super().__init__(reader, tier)
         self._link = link
         self._carried = 0  # stored bytes already paced over the link
-        self.key, self.tier, self.token_ids = reader.key, tier, reader.token_ids
-        self.num_layers, self.layer_nbytes = reader.num_layers, reader.layer_nbytes
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of tokens."""
-        return self._reader.num_tokens
-
-    @property
-    def bytes_read(self) -> int:
-        """Stored bytes read so far (what crossed the simulated link)."""
-        return self._reader.bytes_read
-
-    @bytes_read.setter
-    def bytes_read(self, value: int) -> None:
-        self._reader.bytes_read = value
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer, returned once its stored bytes could have arrived."""
@@ -84,10 +69,6 @@ class ThrottledReader(LayerReader):
         kv = self._reader.complete()
         self._carry()
         return kv
-
-    def close(self) -> None:
-        """Release the inner reader."""
-        self._reader.close()
 
 
 class ThrottledStore(KVStore):

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, KVWriteError
-from .base import ChunkKV, KVKey, KVStore, LayerReader
+from .base import ChunkKV, KVKey, KVStore, LayerReader, WrappedReader
 
 logger = logging.getLogger(__name__)
 
@@ -29,28 +29,13 @@ def _promote(faster: tuple[KVStore, ...], key: KVKey, kv: ChunkKV) -> None:
             logger.debug("could not promote %s into the %s tier: %s", key, _name(store), e)
 
 
-class PromotingReader(LayerReader):
-    """A slower tier's reader that, when its request ends, copies the whole entry into the faster tiers."""
+class PromotingReader(WrappedReader):
+    """A slower tier's reader that, when its request ends, copies the whole entry into the faster tiers (bytes
+    read are the request's: promotion reads are not counted)."""
 
     def __init__(self, reader: LayerReader, faster: tuple[KVStore, ...]) -> None:
-        self._reader = reader
+        super().__init__(reader)
         self._faster = faster
-        self.key, self.tier, self.token_ids = reader.key, reader.tier, reader.token_ids
-        self.num_layers, self.layer_nbytes = reader.num_layers, reader.layer_nbytes
-
-    @property
-    def num_tokens(self) -> int:
-        """Number of tokens."""
-        return self._reader.num_tokens
-
-    @property
-    def bytes_read(self) -> int:
-        """Stored bytes read by the request (promotion reads are not counted)."""
-        return self._reader.bytes_read
-
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer from the slower tier."""
-        return self._reader.layer(layer)
 
     def close(self) -> None:
         """Promote the entry (reading the layers the request skipped), then release the reader."""

@@ -1,13 +1,14 @@
 """The registry of token-selection policies: method name → policy class. Engine, CLI and bench all read it.
 
 To add a policy: write `fuse/policies/<name>.py` (a frozen dataclass subclassing `fuse.policy.Policy`, with
-`name`, `place` and `start`) and add one line to `POLICIES` below.
+`name`, `place` and `start`, and `chunk_state` if it keeps state per chunk across requests) and add one line to
+`POLICIES` below.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ...errors import ConfigError
@@ -29,14 +30,21 @@ POLICIES: dict[str, type] = {
 }
 METHODS: tuple[str, ...] = tuple(POLICIES)  # the built-in methods; POLICIES also holds registered ones
 
+VARIANT_POLICIES: dict[str, Callable[[], Policy]] = {
+    "neighbors": CacheCraft.neighbor_variants,
+}
+"""What `engine.ingest(variants=kind)` can precompute: kind → the policy a request runs to keep each chunk as
+computed after its nearest neighbours (in that policy's own per-chunk state, `Policy.chunk_state`); the request's
+`Prefill.kept` counts what it kept."""
+
 DEFAULT_METHOD: str = Relevance.name
 """The method every surface uses when a call names none, defined here alone. Query relevance, not CacheBlend's
 deviation ranking: at the same 15 % it keeps the answers on look-alike pages and after an agent's tool, and is
 closer to full prefill on distinct documents (docs/benchmarks.md, "Which method is the default")."""
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "POLICIES", "CacheBlend", "CacheCraft", "FullPrefill", "FullReuse",
-           "HKVDSelection", "Policy", "PrefixCache", "Relevance", "all_option_names", "call_options", "make_policy",
-           "option_names", "register_policy", "takes_ratio"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "POLICIES", "VARIANT_POLICIES", "CacheBlend", "CacheCraft", "FullPrefill",
+           "FullReuse", "HKVDSelection", "Policy", "PrefixCache", "Relevance", "all_option_names", "call_options",
+           "make_policy", "option_names", "register_policy", "takes_ratio"]
 
 
 def register_policy(policy_cls: type) -> type:

@@ -12,10 +12,10 @@ from ...errors import ConfigError
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
 from ..guard import GuardedRows, QualityGuard, check_guard_options
-from ..hkvd import DEVIATIONS, SELECTIONS, WEIGHTS, chunk_heads, hkvd_score, top_rows
+from ..hkvd import DEVIATIONS, SELECTIONS, WEIGHTS, chunk_heads, hkvd_score, reuse_budget, top_rows
 from ..lookalike import lookalike_rows
 from ..loop import LayerView
-from ..policy import FusionRequest, Policy, RowSelection
+from ..policy import Policy, RowSelection
 from ..sequence import FusedSequence
 
 
@@ -27,7 +27,7 @@ def check_ratio(value: object, name: str = "recompute_ratio") -> float:
 
 
 @dataclass(frozen=True)
-class CacheBlend(Policy):
+class CacheBlend(placement.EveryChunk, Policy):
     """Selective recompute of the reused tokens with the highest KV deviation (HKVD), CacheBlend §4.
 
     Every row is computed up to the last check layer, so those layers' KV is fresh
@@ -92,16 +92,11 @@ class CacheBlend(Policy):
         """Share of reused rows kept at the check layer (narrowed to recompute_ratio at filter_layer)."""
         return min(1.0, self.candidate_factor * self.recompute_ratio)
 
-    def place(self, cache, request: FusionRequest) -> placement.Placements:
-        """The exact prefix and every stored chunk."""
-        return placement.every_chunk(cache, request)
-
     def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
               placed: placement.Placements) -> RowSelection:
         """Every row up to the last check layer (or none reused, when the budget is 0 or all of them)."""
         reused = seq.reused
-        num_reused = int(reused.sum())
-        budget = round(self.recompute_ratio * num_reused)
+        num_reused, budget = reuse_budget(seq, self.recompute_ratio)
         guard = QualityGuard(self.guard, self.guard_ratio) if self.guard is not None else None
         if num_reused and budget >= num_reused:
             if guard is not None:  # every reused row recomputed: nothing stays stale

@@ -7,19 +7,15 @@ from typing import ClassVar
 
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..policy import FusionRequest, Policy, RowSelection
+from ..policy import Policy, RowSelection
 from ..sequence import FusedSequence
 
 
 @dataclass(frozen=True)
-class FullReuse(Policy):
+class FullReuse(placement.EveryChunk, Policy):
     """Reuse every chunk's KV as is (re-positioned); compute only what is not cached."""
 
     name: ClassVar[str] = "full_reuse"
-
-    def place(self, cache, request: FusionRequest) -> placement.Placements:
-        """The exact prefix and every stored chunk."""
-        return placement.every_chunk(cache, request)
 
     def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
               placed: placement.Placements) -> RowSelection:

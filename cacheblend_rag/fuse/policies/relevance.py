@@ -21,10 +21,10 @@ import torch
 from ...errors import ConfigError
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..hkvd import question_attention, top_rows
+from ..hkvd import question_attention, reuse_budget, top_rows
 from ..lookalike import LookalikeRows, lookalike_rows
 from ..loop import LayerView, run_layers
-from ..policy import FusionRequest, Policy, RowSelection
+from ..policy import Policy, RowSelection
 from ..sequence import FusedSequence
 from .cacheblend import check_ratio
 
@@ -57,7 +57,7 @@ def question_relevance(adapter: LlamaFamilyAdapter, seq: FusedSequence, from_lay
 
 
 @dataclass(frozen=True)
-class Relevance(Policy):
+class Relevance(placement.EveryChunk, Policy):
     """Recompute the `recompute_ratio` of reused rows the question attends to most over the stale KV (a probe pass
     of the uncached rows), in every layer; the rest keep their cached KV."""
 
@@ -74,16 +74,10 @@ class Relevance(Policy):
         if self.lookalike is not None:
             check_ratio(self.lookalike, "lookalike")
 
-    def place(self, cache, request: FusionRequest) -> placement.Placements:
-        """The exact prefix and every stored chunk."""
-        return placement.every_chunk(cache, request)
-
     def start(self, adapter: LlamaFamilyAdapter, seq: FusedSequence,
               placed: placement.Placements) -> RowSelection:
         """The uncached rows and the reused rows most relevant to the question (none: full reuse; all: full prefill)."""
-        reused = seq.reused
-        num_reused = int(reused.sum())
-        budget = round(self.recompute_ratio * num_reused)
+        num_reused, budget = reuse_budget(seq, self.recompute_ratio)
         if budget == 0:
             return RowSelection(~seq.cached)
         if budget >= num_reused:

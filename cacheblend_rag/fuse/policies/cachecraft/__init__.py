@@ -3,9 +3,11 @@
     equations.py   β, γ, CFO, focused chunks (eqs. 6–8, 12, Alg. 1); α: `calibrate`, stored and read (eq. 13)
     selection.py   the policy (variant and budget per chunk) and its selection (budget rows, HKVD, focus,
                    attention metadata and storing of new variants)
+    variants.py    its per-chunk state: variants' KV in the chunk store, their metadata in SQLite beside it
+                   (`CacheCraft.chunk_state`: one VariantStore per chunk cache, `ChunkCache.policy_state`)
 
 Per chunk of a request, among its stored variants (the isolated ingestion precompute and any KV computed after
-other chunks, `fuse/variants.py`):
+other chunks, `variants.py`):
 
     β   prefix overlap (eq. 6)      share of the variant's inter-attention that went to chunks also before it now
     γ   order penalty (eq. 7)       normalized Kendall tau distance between the old and new order of those chunks

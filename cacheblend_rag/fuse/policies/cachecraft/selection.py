@@ -2,7 +2,7 @@
 rows, HKVD within budgets, the focused-chunk early stop, and the attention metadata of new variants.
 
 Per chunk of a request, among its stored variants (the isolated ingestion precompute and any KV computed after
-other chunks, `fuse/variants.py`), the variant with the lowest CFO (`equations.py`) is placed and the top
+other chunks, `variants.py`), the variant with the lowest CFO (`equations.py`) is placed and the top
 ⌈CFO · |C|⌉ of its tokens are recomputed: by the variant's stored inter-attention ranking (eq. 14, no check
 layer), or by this engine's question-weighted HKVD at layer 1 within the chunk's budget (`token_choice="hkvd"`).
 Per layer the question's attention to each chunk is accumulated; once the set of high-attention chunks
@@ -17,23 +17,23 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
 from ....errors import ConfigError
 from ....ingest.chunks import Chunk
 from ....models.adapter import LlamaFamilyAdapter
-from ....store import ChunkKV, LayerReader
+from ....store import ChunkKV, KVStore, LayerReader
 from ...guard import QualityGuard, check_guard_options
 from ...hkvd import hkvd_score, question_attention
 from ...loop import LayerView, LoopResult
 from ...placement import Placements
 from ...policy import FusionRequest, Policy, RowSelection
 from ...sequence import FusedSequence, Placement
-from ...variants import Variant, VariantStore, cci, token_digest, variant_kv_id
 from .equations import (DEFAULT_ALPHA, cache_fix_overhead, calibrated_alpha, focused_chunks, order_penalty,
                         prefix_overlap)
+from .variants import Variant, VariantStore, cci, token_digest, variant_kv_id
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,11 @@ class CacheCraft(Policy):
         check_guard_options(self.guard, self.guard_ratio)
 
     @classmethod
+    def chunk_state(cls, store: KVStore) -> VariantStore:
+        """Its variants, beside the store's chunk KV (`ChunkCache.policy_state` makes one per cache)."""
+        return VariantStore.beside(store)
+
+    @classmethod
     def neighbor_variants(cls) -> "CacheCraft":
         """What ingestion runs to store a chunk computed after its neighbours: the last chunk in full, no focus."""
         return cls(compute_last=True, use_focus=False)
@@ -111,7 +116,7 @@ class CacheCraft(Policy):
     def place(self, cache, request: FusionRequest) -> Placements:
         """The exact prefix, then per chunk the variant with the lowest CFO (missing chunks are holes)."""
         alpha = self.resolved_alpha(cache)
-        variants = cache.variants
+        variants = cast(VariantStore, cache.policy_state(self))  # this class's `chunk_state`
         ns = cache.namespace
         prefix = request.prefix_ids
         out = CraftPlacements([Placement(0, cache.exact_segment(prefix), exact=True)] if prefix else [])
@@ -448,8 +453,9 @@ class CraftSelection(RowSelection):
 
     # ---- after the loop --------------------------------------------------------------------
 
-    def after_request(self, result: LoopResult) -> None:
-        """Store chunks computed in full in context as variants (KV un-rotated to pre-RoPE), then evict."""
+    def after_request(self, result: LoopResult) -> int:
+        """Store chunks computed in full in context as variants (KV un-rotated to pre-RoPE), then evict; how many
+        were stored."""
         req = self.request
         stored = 0
         try:
@@ -472,6 +478,7 @@ class CraftSelection(RowSelection):
         report["variants_evicted"] = len(evicted)
         for entry, p in zip(report.get("chunks", []), req.chunks):
             entry["stored_variant"] = p.stored
+        return stored
 
     def _variant_kv(self, p: ChunkPlan, result: LoopResult) -> ChunkKV:
         adapter = self.adapter

@@ -6,7 +6,8 @@ Its metadata — the chunks before it (ids, in order), inter-attention to each, 
 chunk's tokens ranked by inter-attention, the usefulness f_r and its size — lives in SQLite (WAL mode, busy
 timeout) in the store's side-car folder (`KVStore.side_car_dir()`: the disk tier's, beside the chunk index), so
 every process serving the same store sees the same variants. A store without a folder gets a temporary database of
-its own. The engine owns one VariantStore and hands it to the policies through its ChunkCache.
+its own. Cache-Craft keeps one VariantStore per chunk cache as its per-chunk state (`CacheCraft.chunk_state`,
+made by `ChunkCache.policy_state` on first use); no other module makes one.
 
 Nothing here can fail a request: an unreadable row is no variant, a locked database is waited on briefly then
 read as "no variants", and a variant whose KV is gone is forgotten when it is found missing.
@@ -29,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from ..ingest.chunks import Chunk
-from ..store import ChunkKV, KVKey, KVStore, LayerReader
-from .chunk_cache import part_of
+from ....ingest.chunks import Chunk
+from ....store import ChunkKV, KVKey, KVStore, LayerReader
+from ...chunk_cache import part_of
 
 logger = logging.getLogger(__name__)
 
