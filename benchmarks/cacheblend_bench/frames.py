@@ -162,7 +162,10 @@ def run_faq(engine, *, num_questions: int = 40, k: int = 4, seed: int = 0, max_n
     for q in tqdm(questions, desc="faq", unit="question", disable=not show_progress):
         for frame, prompt in ((name, make(q)) for name, make in FAQ_FRAMES.items()):
             for method, ratio in methods:
-                out = engine.generate_prompt(prompt, method, ratio, max_new_tokens=max_new_tokens)
+                # each method under its own salt: a prompt whose opening recurs (here: the same question asked of
+                # every method) has its first page learned behind that opening, exact for the methods after it
+                out = engine.generate_prompt(prompt, method, ratio, max_new_tokens=max_new_tokens,
+                                             cache_salt=f"faq:{method}@{ratio}")
                 records.append({"frame": frame, "method": method if ratio is None else f"{method}@{ratio:g}",
                                 "question": q.question, "expected": q.answer, "answer": out.text,
                                 "correct": correct(out.text, q.answer), "ttft_s": out.ttft_s})
