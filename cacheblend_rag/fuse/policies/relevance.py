@@ -86,8 +86,8 @@ class Relevance(placement.EveryChunk, Policy):
         if first >= adapter.num_layers:
             raise ConfigError(f"from_layer {first} ≥ the model's {adapter.num_layers} layers")
         lookalike = lookalike_rows(seq, self.lookalike)
-        if bool(lookalike[seq.reused].all()):  # every reused page is in a look-alike group: no probe, all recomputed
-            return LookalikeRows(torch.ones_like(seq.cached), lookalike_rows=num_reused)
+        if bool(lookalike[seq.reused].all()):  # every reused page is in a look-alike group: no probe, and every
+            return LookalikeRows(~seq.exact, lookalike_rows=num_reused)  # row not exact already is recomputed
         score = question_relevance(adapter, seq, first)
         return LookalikeRows(~seq.cached | top_rows(score, seq, self.recompute_ratio) | lookalike,
                              lookalike_rows=int(lookalike.sum()))
