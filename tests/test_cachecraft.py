@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 import torch
 
-from cacheblend_rag import CacheBlendEngine, ConfigError
+from cacheblend_rag import CacheBlendEngine, ConfigError, Request
 from cacheblend_rag.fuse.policies import POLICIES, CacheCraft, make_policy
 from cacheblend_rag.fuse.policies.cachecraft import (DEFAULT_ALPHA, cache_fix_overhead, focused_chunks,
                                                      order_penalty, prefix_overlap)
@@ -130,6 +130,50 @@ def test_random_tokens_ablation_keeps_the_budget(engine):
     random = engine.prefill(TEXTS, QUESTION, "cachecraft", alpha=0.6, use_focus=False, use_cci=False)
     assert [c["budget"] for c in _chunks(random)] == [c["budget"] for c in _chunks(ranked)]
     assert {c["token_choice"] for c in _chunks(random) if c["budget"]} == {"random"}
+
+
+def test_relevance_token_choice_picks_the_rows_the_question_reads_within_each_budget(engine):
+    """token_choice="relevance": the budgets are the ranking's; within each chunk's budget the rows recomputed are
+    those the question attends to most over the stale KV (the relevance policy's probe pass); α 0 is the same
+    request under every choice, a budget of every token is full prefill."""
+    from cacheblend_rag.fuse.policies.relevance import question_relevance
+
+    engine.prefill(TEXTS, QUESTION, "cachecraft")  # cold: variants in context
+    engine.ingest(TEXTS, show_progress=False)
+    order = TEXTS[::-1]
+    ranked = engine.prefill(order, QUESTION, "cachecraft", alpha=0.6, use_focus=False)
+    picked = engine.prefill(order, QUESTION, "cachecraft", alpha=0.6, use_focus=False, token_choice="relevance")
+    assert [c["budget"] for c in _chunks(picked)] == [c["budget"] for c in _chunks(ranked)]
+    partial = [c for c in _chunks(picked) if 0 < c["budget"] < c["num_tokens"]]
+    assert partial and {c["token_choice"] for c in partial} == {"relevance"}
+    assert all(c["recomputed"] == c["budget"] for c in partial)
+    assert picked.stats["cachecraft"]["token_choice"] == "relevance"
+
+    policy = make_policy("cachecraft", alpha=0.6, use_focus=False, token_choice="relevance", store_variants=False)
+    fusion = engine._fusion_request(Request.of(order, QUESTION, method=policy))
+    placed = policy.place(engine.cache, fusion)
+    seq = engine.cache.sequence(fusion.layout.token_ids, fusion.layout.segment_of_row, placed.placements)
+    try:
+        selection = policy.start(engine.adapter, seq, placed)
+        chosen = selection.active & seq.reused
+        score = question_relevance(engine.adapter, seq, engine.adapter.num_layers // 3)
+        plans = [p for p in selection.request.chunks if p.choice == "relevance"]
+    finally:
+        seq.close()
+        placed.close()
+    assert plans
+    for p in plans:
+        rows = torch.arange(p.row_start, p.row_start + p.chunk.num_tokens)
+        kept, left = rows[chosen[rows]], rows[~chosen[rows]]
+        assert kept.numel() == p.budget and float(score[kept].min()) >= float(score[left].max())
+
+    none = [engine.prefill(order, QUESTION, "cachecraft", alpha=0.0, store_variants=False, token_choice=choice)
+            for choice in ("ranking", "relevance")]
+    assert torch.equal(none[0].logits, none[1].logits) and none[1].stats["num_recomputed"] == 0
+    full = engine.prefill(order, QUESTION, "full_prefill")
+    every = engine.prefill(order, QUESTION, "cachecraft", alpha=1e6, use_focus=False, store_variants=False,
+                           token_choice="relevance")
+    assert torch.allclose(every.logits, full.logits, atol=1e-3)
 
 
 def _variant_rows(engine) -> tuple[VariantStore, list[tuple]]:

@@ -4,7 +4,9 @@ rows, HKVD within budgets, the focused-chunk early stop, and the attention metad
 Per chunk of a request, among its stored variants (the isolated ingestion precompute and any KV computed after
 other chunks, `variants.py`), the variant with the lowest CFO (`equations.py`) is placed and the top
 ⌈CFO · |C|⌉ of its tokens are recomputed: by the variant's stored inter-attention ranking (eq. 14, no check
-layer), or by this engine's question-weighted HKVD at layer 1 within the chunk's budget (`token_choice="hkvd"`).
+layer), by this engine's question-weighted HKVD at layer 1 within the chunk's budget (`token_choice="hkvd"`), or
+by the question's attention over the stale KV in a probe pass of the uncached rows (`token_choice="relevance"`,
+the `relevance` policy's `question_relevance`, layers from a third of the depth down), from layer 0.
 Per layer the question's attention to each chunk is accumulated; once the set of high-attention chunks
 (Algorithm 1) is the same for `focus_window` layers, the other chunks' rows stop being recomputed (§3.2.2). Chunks
 computed in full in context (holes, a budget of every token) are stored as new variants after the first token,
@@ -31,13 +33,14 @@ from ...loop import LayerView, LoopResult
 from ...placement import Placements
 from ...policy import FusionRequest, Policy, RowSelection
 from ...sequence import FusedSequence, Placement
+from ..relevance import question_relevance
 from .equations import (DEFAULT_ALPHA, cache_fix_overhead, calibrated_alpha, focused_chunks, order_penalty,
                         prefix_overlap)
 from .variants import Variant, VariantStore, cci, token_digest, variant_kv_id
 
 logger = logging.getLogger(__name__)
 
-TOKEN_CHOICES = ("ranking", "hkvd")
+TOKEN_CHOICES = ("ranking", "hkvd", "relevance")
 FIRST_USES = ("reuse", "full")
 CHECK_LAYER = 1  # token_choice="hkvd": where deviations are measured (layer 0's K/V see no context)
 # Variant metadata (inter/intra attention, ranking) from every third layer: the paper averages over layers, and
@@ -61,7 +64,9 @@ class CacheCraft(Policy):
     # The first layer at which focus may stop chunks (None: a third of the model's depth). Algorithm 1 alone cut
     # at layer 2 (the earliest w = 3 allows) on every warm MuSiQue request measured, keeping only the last chunk.
     focus_min_layer: int | None = None
-    token_choice: str = "ranking"  # "ranking": the variant's stored ranking; "hkvd": question-weighted HKVD at layer 1
+    # "ranking": the variant's stored ranking; "hkvd": question-weighted HKVD at layer 1; "relevance": the question's
+    # attention over the stale KV (a probe pass of the uncached rows, as the `relevance` policy ranks rows)
+    token_choice: str = "ranking"
     use_beta: bool = True  # ablation: False takes β' = 0 (every variant is out of context)
     use_focus: bool = True  # ablation: False never stops recomputing unfocused chunks
     use_cci: bool = True  # ablation: False recomputes random tokens at the same budgets
@@ -211,7 +216,7 @@ class ChunkPlan:
     beta_adj: float = 0.0
     cfo: float = 1.0
     budget: int = 0  # tokens to recompute
-    choice: str = "none"  # how its tokens were chosen: ranking, hkvd, random, all, none
+    choice: str = "none"  # how its tokens were chosen: ranking, hkvd, relevance, random, head, all, none
     record: bool = False  # computed in full in context: stored as a variant after the request
     stored: bool = False
 
@@ -274,6 +279,7 @@ class CraftSelection(RowSelection):
         self.hkvd: list[ChunkPlan] = []
         self.checked: list[ChunkPlan] = []  # chunks whose budget rows were chosen up front, checked by the guard
         num_chunks = len(self.request.chunks)
+        by_relevance: list[ChunkPlan] = []  # chosen below, after one probe pass for all of them
         for p in self.request.chunks:
             n = p.chunk.num_tokens
             rows = torch.arange(p.row_start, p.row_start + n, device=seq.cached.device)
@@ -288,6 +294,9 @@ class CraftSelection(RowSelection):
                 p.choice = "random"
                 g = torch.Generator().manual_seed(int(p.chunk.chunk_id[:8], 16))
                 active[rows[torch.randperm(n, generator=g)[:p.budget].to(rows.device)]] = True
+            elif policy.token_choice == "relevance":
+                p.choice = "relevance"
+                by_relevance.append(p)
             elif policy.token_choice == "ranking" and p.variant is not None and p.variant.ranking:
                 p.choice = "ranking"
                 active[rows[torch.tensor(p.variant.ranking[:p.budget], device=rows.device)]] = True
@@ -303,10 +312,15 @@ class CraftSelection(RowSelection):
                         and (p.variant is None or p.variant.lead_digest != p.lead_digest))
             if p.record:
                 self.attention[p.position] = _Attention(torch.zeros(num_chunks, dtype=torch.float64))
+        if by_relevance:
+            score = question_relevance(self.adapter, seq, self.adapter.num_layers // 3)
+            for p in by_relevance:
+                rows = torch.arange(p.row_start, p.row_start + p.chunk.num_tokens, device=score.device)
+                active[rows[score[rows].topk(p.budget).indices]] = True
         self.planned = active.clone()  # rows the budgets keep (hkvd chunks: chosen at the check layer)
         if policy.guard is not None:
             self.guard = QualityGuard(policy.guard, policy.guard_ratio)
-            partial = [p for p in self.request.chunks if p.choice in ("ranking", "random", "head", "none")
+            partial = [p for p in self.request.chunks if p.choice in ("ranking", "relevance", "random", "head", "none")
                        and p.reader is not None and not p.exact]
             if not (partial or self.hkvd):  # every reused row recomputed (or none reused): nothing stays stale
                 self.guard.settle(0.0)
