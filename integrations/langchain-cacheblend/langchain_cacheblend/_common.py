@@ -132,6 +132,18 @@ class EngineFields(BaseModel):
             raise ValueError(f"method must be one of {', '.join(POLICIES)}, got {value!r}")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _point_policy_options(cls, data: Any) -> Any:
+        """A policy's option passed as a field (`lookalike=0`) is named with where it goes, not as an extra input."""
+        if isinstance(data, dict):
+            misplaced = sorted(k for k in data if k not in cls.model_fields and k in all_option_names())
+            if misplaced:
+                given = ", ".join(f"{k!r}: {data[k]!r}" for k in misplaced)
+                raise ValueError(f"{', '.join(misplaced)} is a method's option, not a field of {cls.__name__}: pass "
+                                 f"policy_options={{{given}}}")
+        return data
+
     @model_validator(mode="after")
     def _check_policy_options(self) -> Self:
         make_policy(self.method, None, **self.policy_options)  # a ConfigError names an option the method lacks

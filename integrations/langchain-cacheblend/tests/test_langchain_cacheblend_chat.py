@@ -123,6 +123,11 @@ def test_unknown_kwargs_are_rejected_and_max_tokens_is_honoured(engine):
         chat.invoke("Hi", temperatur=0.5)
     with pytest.raises(ValueError):
         ChatCacheBlend(engine=engine, api_base="http://x")  # no silently ignored constructor arguments either
+    # a method's own option passed as a field says where it goes
+    for cls in (ChatCacheBlend, CacheBlendLLM):
+        with pytest.raises(ValueError, match=r"lookalike is a method's option.*policy_options=\{'lookalike': 0\}"):
+            cls(engine=engine, lookalike=0)
+    assert ChatCacheBlend(engine=engine, policy_options={"lookalike": 0}).policy_options == {"lookalike": 0}
 
 
 def test_identity_is_the_engines_model(engine, tokenizer_and_tiny):

@@ -105,6 +105,8 @@ def test_constructor_fields_engine_and_chunks_are_checked(li_engine):
         CacheBlendLLM(engine=li_engine, context_window=-5)
     with pytest.raises(TypeError, match="CacheBlendEngine"):
         CacheBlendLLM(engine="smollm2-135m")
+    with pytest.raises(ConfigError, match=r"lookalike is a method's option.*policy_options=\{'lookalike': 0\}"):
+        CacheBlendLLM(engine=li_engine, lookalike=0)
     llm = CacheBlendLLM(engine=li_engine, max_new_tokens=2)
     passage = "Honeybees have five eyes: two large compound eyes and three small ocelli."
     out = llm.complete("ignored", chunks=passage, question="How many eyes does a honeybee have?")

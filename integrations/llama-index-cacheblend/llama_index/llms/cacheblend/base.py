@@ -393,6 +393,11 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
                             f"{type(engine).__name__}")
         if "max_tokens" in kwargs:
             kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
+        misplaced = sorted(k for k in kwargs if k not in type(self).model_fields and k in all_option_names())
+        if misplaced:  # a method's own option passed as a field: say where it goes
+            given = ", ".join(f"{k!r}: {kwargs[k]!r}" for k in misplaced)
+            raise ConfigError(f"{', '.join(misplaced)} is a method's option, not a field of {type(self).__name__}: "
+                              f"pass policy_options={{{given}}}")
         super().__init__(**kwargs)
         if self.method not in POLICIES:
             raise ValueError(f"method must be one of {', '.join(POLICIES)}, got {self.method!r}")
