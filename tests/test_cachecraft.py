@@ -136,7 +136,7 @@ def test_relevance_token_choice_picks_the_rows_the_question_reads_within_each_bu
     """token_choice="relevance": the budgets are the ranking's; within each chunk's budget the rows recomputed are
     those the question attends to most over the stale KV (the relevance policy's probe pass); α 0 is the same
     request under every choice, a budget of every token is full prefill."""
-    from cacheblend_rag.fuse.policies.relevance import question_relevance
+    from cacheblend_rag.fuse.hkvd import question_relevance
 
     engine.prefill(TEXTS, QUESTION, "cachecraft")  # cold: variants in context
     engine.ingest(TEXTS, show_progress=False)

@@ -452,7 +452,7 @@ def test_relevance_keeps_the_invariants_and_recomputes_the_rows_the_question_rea
     """`method="relevance"`: ratio 1 is full prefill, ratio 0 full reuse; in between, the same rows in every layer
     (no layer runs over every row): the uncached ones and the top share of reused rows by the question's attention
     over the stale KV (a probe pass of the uncached rows)."""
-    from cacheblend_rag.fuse.policies.relevance import question_relevance
+    from cacheblend_rag.fuse.hkvd import question_relevance
 
     full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
     reuse = engine.prefill(TEXTS, QUESTION, method="full_reuse")

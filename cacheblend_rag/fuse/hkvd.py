@@ -4,11 +4,14 @@ by the attention the question pays to it, and the top rows by that score. Plain 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from ..kernels import kv_deviation
-from .loop import LayerView
+from ..models.adapter import LlamaFamilyAdapter
+from .loop import LayerView, run_layers
+from .policy import RowSelection
 from .sequence import FusedSequence
 
 DEVIATIONS = ("k", "v", "kv")
@@ -97,3 +100,30 @@ def chunk_heads(seq: FusedSequence, num_tokens: int) -> torch.Tensor:
         if seg[s] >= 0:
             heads[s : s + num_tokens] = True
     return heads & (seg >= 0)
+
+
+@dataclass
+class _AttentionProbe(RowSelection):
+    """The probe pass: every active row stays; records the trailing rows' attention to every row, per layer."""
+
+    per_layer: list[torch.Tensor] = field(default_factory=list)
+
+    def keep(self, view: LayerView) -> None:
+        """Record this layer's attention; keep every row."""
+        self.per_layer.append(question_attention(view).float())
+
+
+def question_relevance(adapter: LlamaFamilyAdapter, seq: FusedSequence, from_layer: int) -> torch.Tensor:
+    """(N,) how much the trailing uncached rows (the question) attend to each row over the stale KV, summed over
+    layers ≥ `from_layer`, each layer normalized by its mean over the reused rows (so layers weigh alike)."""
+    probe = seq.twin()
+    recorder = _AttentionProbe(~probe.cached)
+    try:
+        run_layers(adapter, probe, recorder, num_output_rows=1)
+    finally:
+        probe.close()
+    reused = seq.reused
+    score = torch.zeros(seq.num_rows, device=reused.device)
+    for attention in recorder.per_layer[from_layer:]:
+        score += attention / attention[reused].mean().clamp_min(1e-12)
+    return score

@@ -3,17 +3,17 @@
 Deviation-ranked recompute (CacheBlend's HKVD) chooses rows whose KV moved most; on look-alike documents and on an
 agent's step after a tool (the question first, the pages after it) the rows that decide the answer are not those
 (docs/benchmarks.md, "Right answers among look-alike documents": even the true deviation, measured against a full
-prefill, keeps no more answers at 15 %). This policy ranks by what the question reads instead, as ProphetKV
-(arXiv 2602.02579) does: a probe pass runs only the uncached rows (question, template) through every layer over
-the stale KV (a few dozen rows: cheap), and the attention the trailing rows give each reused row, summed over the
-deeper layers (each layer normalized over the reused rows), picks the `recompute_ratio` of reused rows that are
-recomputed in every layer. No layer runs over every row, so at the same ratio it computes fewer rows than
-CacheBlend. recompute_ratio=1 is full prefill, 0 is full reuse (no probe then).
+prefill, keeps no more answers at 15 %). This policy ranks by what the question reads instead, as ProphetKV (arXiv
+2602.02579) does: a probe pass (`hkvd.question_relevance`) runs only the uncached rows (question, template) through
+every layer over the stale KV (a few dozen rows: cheap), and the attention the trailing rows give each reused row,
+summed over the deeper layers (each layer normalized over the reused rows), picks the `recompute_ratio` of reused
+rows that are recomputed in every layer. No layer runs over every row, so at the same ratio it computes fewer rows
+than CacheBlend. recompute_ratio=1 is full prefill, 0 is full reuse (no probe then).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -21,39 +21,11 @@ import torch
 from ...errors import ConfigError
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..hkvd import question_attention, reuse_budget, top_rows
+from ..hkvd import question_relevance, reuse_budget, top_rows
 from ..lookalike import LookalikeRows, lookalike_rows
-from ..loop import LayerView, run_layers
 from ..policy import Policy, RowSelection
 from ..sequence import FusedSequence
 from .cacheblend import check_ratio
-
-
-@dataclass
-class _AttentionProbe(RowSelection):
-    """The probe pass: every active row stays; records the trailing rows' attention to every row, per layer."""
-
-    per_layer: list[torch.Tensor] = field(default_factory=list)
-
-    def keep(self, view: LayerView) -> None:
-        """Record this layer's attention; keep every row."""
-        self.per_layer.append(question_attention(view).float())
-
-
-def question_relevance(adapter: LlamaFamilyAdapter, seq: FusedSequence, from_layer: int) -> torch.Tensor:
-    """(N,) how much the trailing uncached rows (the question) attend to each row over the stale KV, summed over
-    layers ≥ `from_layer`, each layer normalized by its mean over the reused rows (so layers weigh alike)."""
-    probe = seq.twin()
-    recorder = _AttentionProbe(~probe.cached)
-    try:
-        run_layers(adapter, probe, recorder, num_output_rows=1)
-    finally:
-        probe.close()
-    reused = seq.reused
-    score = torch.zeros(seq.num_rows, device=reused.device)
-    for attention in recorder.per_layer[from_layer:]:
-        score += attention / attention[reused].mean().clamp_min(1e-12)
-    return score
 
 
 @dataclass(frozen=True)

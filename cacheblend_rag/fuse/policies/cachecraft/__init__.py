@@ -15,13 +15,13 @@ other chunks, `variants.py`):
     CFO = α · CCI · (1 − β')        (eq. 12), clipped to [0, 1]
 
 the variant with the lowest CFO is placed and the top ⌈CFO · |C|⌉ of its tokens are recomputed: by the variant's
-stored inter-attention ranking (eq. 14, no check layer), by this engine's question-weighted HKVD at layer 1
-within the chunk's budget (`token_choice="hkvd"`), or by the question's attention over the stale KV in a probe
-pass of the uncached rows (`token_choice="relevance"`, the `relevance` policy's `question_relevance`). Per layer the question's attention to each chunk is
-accumulated; once the set of high-attention chunks (Algorithm 1) is the same for `focus_window` layers, the
-other chunks' rows stop being recomputed (§3.2.2). Chunks computed in full in context (holes, a budget of every
-token) are stored as new variants after the first token, with their attention metadata; variants beyond a byte
-budget are evicted by usefulness (f_r += 1/CFO per use, lowest first, §3.3).
+stored inter-attention ranking (eq. 14, no check layer), by this engine's question-weighted HKVD at layer 1 within
+the chunk's budget (`token_choice="hkvd"`), or by the question's attention over the stale KV in a probe pass of the
+uncached rows (`token_choice="relevance"`, `hkvd.question_relevance`, as the `relevance` policy ranks rows). Per
+layer the question's attention to each chunk is accumulated; once the set of high-attention chunks (Algorithm 1) is
+the same for `focus_window` layers, the other chunks' rows stop being recomputed (§3.2.2). Chunks computed in full
+in context (holes, a budget of every token) are stored as new variants after the first token, with their attention
+metadata; variants beyond a byte budget are evicted by usefulness (f_r += 1/CFO per use, lowest first, §3.3).
 """
 
 from .equations import (ALPHAS, DEFAULT_ALPHA, cache_fix_overhead, calibrate, calibrated_alpha, calibration_path,

@@ -6,7 +6,7 @@ other chunks, `variants.py`), the variant with the lowest CFO (`equations.py`) i
 ⌈CFO · |C|⌉ of its tokens are recomputed: by the variant's stored inter-attention ranking (eq. 14, no check
 layer), by this engine's question-weighted HKVD at layer 1 within the chunk's budget (`token_choice="hkvd"`), or
 by the question's attention over the stale KV in a probe pass of the uncached rows (`token_choice="relevance"`,
-the `relevance` policy's `question_relevance`, layers from a third of the depth down), from layer 0.
+`hkvd.question_relevance`, as the `relevance` policy ranks rows; layers from a third of the depth down), from layer 0.
 Per layer the question's attention to each chunk is accumulated; once the set of high-attention chunks
 (Algorithm 1) is the same for `focus_window` layers, the other chunks' rows stop being recomputed (§3.2.2). Chunks
 computed in full in context (holes, a budget of every token) are stored as new variants after the first token,
@@ -28,12 +28,11 @@ from ....ingest.chunks import Chunk
 from ....models.adapter import LlamaFamilyAdapter
 from ....store import ChunkKV, KVStore, LayerReader
 from ...guard import QualityGuard, check_guard_options
-from ...hkvd import hkvd_score, question_attention
+from ...hkvd import hkvd_score, question_attention, question_relevance
 from ...loop import LayerView, LoopResult
 from ...placement import Placements
 from ...policy import FusionRequest, Policy, RowSelection
 from ...sequence import FusedSequence, Placement
-from ..relevance import question_relevance
 from .equations import (DEFAULT_ALPHA, cache_fix_overhead, calibrated_alpha, focused_chunks, order_penalty,
                         prefix_overlap)
 from .variants import Variant, VariantStore, cci, token_digest, variant_kv_id
