@@ -37,9 +37,12 @@ def _grams(ids: list[int], n: int) -> set[tuple[int, ...]]:
 def lookalike_scores(pages: list[list[int]]) -> list[float]:
     """Per page (token ids, in prompt order): phrasing shared with an earlier page minus content shared (0 for the
     first page and for pages too short to have a long n-gram)."""
+    return _scores([_grams(ids, SHORT) for ids in pages], [_grams(ids, LONG) for ids in pages])
+
+
+def _scores(shorts: list[set], longs: list[set]) -> list[float]:
     scores, seen_short, seen_long = [], set(), set()
-    for ids in pages:
-        short, long = _grams(ids, SHORT), _grams(ids, LONG)
+    for short, long in zip(shorts, longs):
         if seen_short and long:
             scores.append(len(short & seen_short) / len(short) - len(long & seen_long) / len(long))
         else:
@@ -52,8 +55,8 @@ def lookalike_scores(pages: list[list[int]]) -> list[float]:
 def lookalike_group(pages: list[list[int]], threshold: float) -> list[bool]:
     """Per page (token ids, in prompt order): whether it is in a look-alike group — its score above `threshold`,
     or the earlier page that such a page shares the most 3-grams with."""
-    shorts = [_grams(ids, SHORT) for ids in pages]
-    flagged = [score > threshold for score in lookalike_scores(pages)]
+    shorts = [_grams(ids, SHORT) for ids in pages]  # each page's n-grams made once, for the scores and the group
+    flagged = [score > threshold for score in _scores(shorts, [_grams(ids, LONG) for ids in pages])]
     group = list(flagged)
     for j in (j for j, f in enumerate(flagged) if f):
         group[max(range(j), key=lambda i: len(shorts[j] & shorts[i]))] = True
