@@ -8,7 +8,7 @@ To add a policy: write `fuse/policies/<name>.py` (a frozen dataclass subclassing
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ...errors import ConfigError
@@ -44,7 +44,7 @@ closer to full prefill on distinct documents (docs/benchmarks.md, "Which method 
 
 __all__ = ["DEFAULT_METHOD", "METHODS", "POLICIES", "VARIANT_POLICIES", "CacheBlend", "CacheCraft", "FullPrefill",
            "FullReuse", "HKVDSelection", "Policy", "PrefixCache", "Relevance", "all_option_names", "call_options",
-           "make_policy", "option_names", "register_policy", "takes_ratio"]
+           "check_not_options", "make_policy", "option_names", "register_policy", "takes_ratio"]
 
 
 def register_policy(policy_cls: type) -> type:
@@ -72,6 +72,17 @@ def option_names(policy_cls: type) -> tuple[str, ...]:
 def all_option_names() -> set[str]:
     """Every option of every registered policy: a surface accepts these per call, the method checks its own."""
     return {name for cls in POLICIES.values() for name in option_names(cls)}
+
+
+def check_not_options(owner: str, given: Mapping[str, Any], fields: Iterable[str]) -> None:
+    """A surface's constructor arguments that are no field of it but a method's option (`lookalike=0`): a
+    ConfigError saying they go in `policy_options`."""
+    known = set(fields)
+    misplaced = sorted(k for k in given if k not in known and k in all_option_names())
+    if misplaced:
+        options = ", ".join(f"{k!r}: {given[k]!r}" for k in misplaced)
+        raise ConfigError(f"{', '.join(misplaced)} is a method's option, not a field of {owner}: pass "
+                          f"policy_options={{{options}}}")
 
 
 def call_options(method: str, default_method: str, default_options: Mapping[str, Any],

@@ -9,7 +9,8 @@ from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES, all_option_names, check_ratio, make_policy
+from cacheblend_rag.fuse.policies import (POLICIES, all_option_names, check_not_options, check_ratio,
+                                          make_policy)
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from cacheblend_rag.request import DEFAULT_METHOD, DEFAULT_RECOMPUTE_RATIO, call_keywords
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -137,11 +138,7 @@ class EngineFields(BaseModel):
     def _point_policy_options(cls, data: Any) -> Any:
         """A policy's option passed as a field (`lookalike=0`) is named with where it goes, not as an extra input."""
         if isinstance(data, dict):
-            misplaced = sorted(k for k in data if k not in cls.model_fields and k in all_option_names())
-            if misplaced:
-                given = ", ".join(f"{k!r}: {data[k]!r}" for k in misplaced)
-                raise ValueError(f"{', '.join(misplaced)} is a method's option, not a field of {cls.__name__}: pass "
-                                 f"policy_options={{{given}}}")
+            check_not_options(cls.__name__, data, cls.model_fields)
         return data
 
     @model_validator(mode="after")

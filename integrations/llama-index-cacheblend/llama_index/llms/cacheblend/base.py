@@ -23,7 +23,8 @@ from cacheblend_rag.tool_format import GENERIC, ToolFormat
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.fuse.prefill import stats_summary
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import POLICIES, all_option_names, check_ratio, make_policy
+from cacheblend_rag.fuse.policies import (POLICIES, all_option_names, check_not_options, check_ratio,
+                                          make_policy)
 from cacheblend_rag.ingest.chunks import looks_like_chunk_id, normalize_text
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from cacheblend_rag.request import DEFAULT_METHOD, DEFAULT_RECOMPUTE_RATIO, Request, call_keywords
@@ -393,11 +394,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
                             f"{type(engine).__name__}")
         if "max_tokens" in kwargs:
             kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
-        misplaced = sorted(k for k in kwargs if k not in type(self).model_fields and k in all_option_names())
-        if misplaced:  # a method's own option passed as a field: say where it goes
-            given = ", ".join(f"{k!r}: {kwargs[k]!r}" for k in misplaced)
-            raise ConfigError(f"{', '.join(misplaced)} is a method's option, not a field of {type(self).__name__}: "
-                              f"pass policy_options={{{given}}}")
+        check_not_options(type(self).__name__, kwargs, type(self).model_fields)  # `lookalike=0`: where it goes
         super().__init__(**kwargs)
         if self.method not in POLICIES:
             raise ValueError(f"method must be one of {', '.join(POLICIES)}, got {self.method!r}")
