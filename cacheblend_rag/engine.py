@@ -27,6 +27,7 @@ from .decode.grammar import GrammarCompiler
 from .decode.kv_decode import KVDecoder, KVSequence, kv_decode
 from .decode.stream import answer_streamer, stream_decode
 from .decode.text import Answer
+from . import gate as fidelity_gate
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
@@ -114,6 +115,7 @@ class CacheBlendEngine:
         decoder: str = "kv",
         prefix_reuse: bool = True,
         prefix_store: KVStore | str | os.PathLike[str] | Sequence | None = None,
+        calibrate: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -161,6 +163,49 @@ class CacheBlendEngine:
         # the salted cache view of each started sequence, for keeping its KV when `advance` finishes it
         self._sequence_caches: weakref.WeakKeyDictionary[KVSequence, ChunkCache] = weakref.WeakKeyDictionary()
         self.learner = PassageLearner(lambda text: self.ingest([text], show_progress=False))
+        # the fidelity gate: per method, the ratio requests that name none run at on this model (gate.py)
+        self._gates: dict[str, fidelity_gate.GateDecision | None] = {}
+        self._gates_lock = threading.Lock()
+        if not isinstance(calibrate, bool):
+            raise ConfigError(f"calibrate must be True or False, got {calibrate!r}")
+        decision = self.gate(DEFAULT_METHOD)
+        if decision is None and calibrate:
+            decision = self._calibrate_on_first_use()
+        if decision is not None and not decision.met:
+            best = min(decision.table, key=lambda row: row["mean_kl"]) if decision.table else None
+            logger.warning(
+                "%s: chunk reuse (%s) keeps full prefill's first token (mean KL ≤ %s, agreement ≥ %.0f%%) at no "
+                "recompute ratio up to %s%s, so requests that name no ratio run at %s (full prefill's answers, "
+                "no speed-up from stored chunk KV); name a recompute_ratio to trade fidelity for speed, or use "
+                "method='prefix_cache'", self.model_name, decision.method, decision.target_kl,
+                100 * decision.min_agreement, max((r["ratio"] for r in decision.table), default=0),
+                f" (best: ratio {best['ratio']}, KL {best['mean_kl']:.3f}, agreement {best['agreement']:.0%})"
+                if best else "", decision.ratio)
+
+    def gate(self, method: str) -> "fidelity_gate.GateDecision | None":
+        """The fidelity gate's decision for `method` on this model (measured here or shipped), or None."""
+        with self._gates_lock:
+            if method not in self._gates:
+                self._gates[method] = fidelity_gate.find(self.fingerprint, self.model_name, method)
+            return self._gates[method]
+
+    def _calibrate_on_first_use(self) -> "fidelity_gate.GateDecision | None":
+        """Calibrate the default method on this model and store the decision; a failure is logged, not raised."""
+        logger.warning("%s has no fidelity calibration yet: measuring the recompute ratio that keeps full "
+                       "prefill's answers (once per machine; `cacheblend-rag calibrate` does the same)",
+                       self.model_name)
+        try:
+            decision = fidelity_gate.calibrate(self, DEFAULT_METHOD)
+            path = fidelity_gate.store(decision)
+        except (ConfigError, OSError, RuntimeError, ValueError) as e:
+            logger.warning("calibrating %s failed (%s); requests that name no ratio run at the method's default",
+                           self.model_name, e)
+            return None
+        logger.info("fidelity gate for %s: %s at ratio %s (mean KL %.4f), stored in %s", self.model_name,
+                    decision.method, decision.ratio, decision.expected_kl, path)
+        with self._gates_lock:
+            self._gates[DEFAULT_METHOD] = decision
+        return decision
 
     @classmethod
     def from_pretrained(
@@ -175,15 +220,17 @@ class CacheBlendEngine:
         revision: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         trust_remote_code: bool = False,
+        calibrate: bool = True,
         **kwargs,
     ) -> "CacheBlendEngine":
         """Load a packaged model, a local folder or a hub id (`org/name`, at `revision`, through the Hugging Face
-        cache as transformers does) and build an engine on it (kv_codec: how a disk store codes KV)."""
+        cache as transformers does) and build an engine on it (kv_codec: how a disk store codes KV). `calibrate`:
+        on first use of a model with no fidelity decision (measured here or shipped), measure it (gate.py)."""
         _check_kv_codec(kv_codec, kv_store)  # before loading the model
         model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, home=home, revision=revision,
                                       cache_dir=cache_dir, trust_remote_code=trust_remote_code)
         kwargs.setdefault("model_name", str(name_or_path))
-        return cls(model, tokenizer, kv_store, home=home, kv_codec=kv_codec, **kwargs)
+        return cls(model, tokenizer, kv_store, home=home, kv_codec=kv_codec, calibrate=calibrate, **kwargs)
 
     # ---- facts --------------------------------------------------------------------------
 
@@ -391,8 +438,14 @@ class CacheBlendEngine:
             fusion = self._fusion_request(request)
             # counted here, once: a request that retries after a failed read places its chunks again
             fusion = dataclasses.replace(fusion, opening_recurs=cache.opening_recurs(fusion.prefix_ids))
-            return fused_prefill(cache, request.policy, fusion, store_holes=store_holes,
-                                 auto_ratio=self._auto_ratio if request.auto_ratio else None)
+            policy, decision = request.policy, None
+            if request.calibrated_ratio and (decision := self.gate(policy.name)) is not None:
+                policy = dataclasses.replace(policy, recompute_ratio=decision.ratio)  # the model's own ratio
+            out = fused_prefill(cache, policy, fusion, store_holes=store_holes,
+                                auto_ratio=self._auto_ratio if request.auto_ratio else None)
+            if decision is not None:
+                out.stats = dataclasses.replace(out.stats, fidelity=decision.stats())
+            return out
 
     def _fusion_request(self, request: Request) -> FusionRequest:
         """The request's token layout and the stored chunks placed in it."""

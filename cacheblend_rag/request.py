@@ -18,7 +18,7 @@ from typing import Any
 from .decode.generate import SamplingOptions
 from .errors import ConfigError
 from .fuse.layout import PromptTemplate
-from .fuse.policies import DEFAULT_METHOD, POLICIES, call_options, make_policy
+from .fuse.policies import DEFAULT_METHOD, POLICIES, call_options, make_policy, takes_ratio
 from .fuse.policy import Policy
 from .ingest.chunks import Chunk
 
@@ -52,6 +52,9 @@ class Request:
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     tools: tuple[dict, ...] | None = None  # OpenAI tool specs a chat prompt's template lists (its own tool format)
     cache_salt: str | None = None
+    # the caller named no ratio: the engine runs the policy at the model's calibrated one (the fidelity gate,
+    # gate.py) where it has one for the method, else at the policy's own
+    calibrated_ratio: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.question is None):
@@ -83,17 +86,22 @@ class Request:
            method: str | Policy = DEFAULT_METHOD, recompute_ratio: float | str | None = None, *,
            prompt: Prompt | None = None, history: Sequence[dict] = (), template: PromptTemplate | None = None,
            sampling: SamplingOptions | None = None, tools: Sequence[dict] | None = None,
-           cache_salt: str | None = None, **options: Any) -> "Request":
+           cache_salt: str | None = None, calibrated_ratio: bool | None = None, **options: Any) -> "Request":
         """A request from the keywords every surface takes: `max_new_tokens` (or `max_tokens`), `temperature`,
         `top_p`, `stop`, `seed`, `grammar` go to the sampling options (over `sampling=`), every other keyword is an
         option of `method`'s policy, built here once; `recompute_ratio="auto"` leaves the ratio to the engine;
-        `tools` (OpenAI tool specs) go to the chat template of a chat `prompt`; `cache_salt` keeps its cache apart."""
+        `tools` (OpenAI tool specs) go to the chat template of a chat `prompt`; `cache_salt` keeps its cache apart.
+        A method named with no ratio runs at the model's calibrated ratio (`calibrated_ratio`, by default whether
+        the call named none: a surface that built its policy from a body says so itself)."""
         sampling, policy_options = SamplingOptions.split(options, sampling)
         auto = recompute_ratio == "auto"
         policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
+        if calibrated_ratio is None:
+            calibrated_ratio = (recompute_ratio is None and isinstance(method, str) and takes_ratio(policy)
+                                and "recompute_ratio" not in policy_options)
         return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
                    policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools),
-                   cache_salt=cache_salt)
+                   cache_salt=cache_salt, calibrated_ratio=calibrated_ratio)
 
 
 def call_keywords(call: Mapping[str, Any], *, method: str, recompute_ratio: float | str,

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 _EXTRA_READ_ATTEMPTS = 3
 
 
-SUMMARY_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed",
+SUMMARY_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed", "fidelity",
                 "num_prefix_rows", "num_chunk_rows", "recompute_ratio_effective", "ttft_s", "num_generated",
                 "recompute_ratio")
 """The stats the integrations copy into their responses' metadata (LangChain, LlamaIndex)."""
@@ -85,6 +85,7 @@ class RequestStats(Mapping):
     num_chunk_rows: int = 0  # rows placed from stored chunk KV (after the stored prefix)
     recompute_ratio: float | None = None  # the ratio the policy ran at (the controller's with "auto")
     controller: dict | None = None  # the loading controller's decision, with recompute_ratio="auto"
+    fidelity: dict | None = None  # the fidelity gate's decision the ratio came from (a request that named none)
     num_generated: int | None = None  # after decoding
     # A policy's own report, one entry per name (e.g. "cachecraft", "guard"): from `Placements.report` and the
     # selection's optional `report()`; flattened into the top level of `as_dict()`.

@@ -44,6 +44,7 @@ class EngineCall:
     retrieval: tuple[str, int] | None = None  # (collection, k)
     policy: Policy = field(default_factory=CacheBlend)  # built once from the body's `cacheblend` field
     auto_ratio: bool = False  # recompute_ratio "auto": the loading controller chooses it
+    calibrated_ratio: bool = False  # no ratio named: the model's calibrated one (the fidelity gate) applies
     tools: tuple[dict, ...] | None = None  # listed by the chat template (its own tool format; no documents)
     cache_salt: str | None = None  # the engine request's (`request_salt`): None shares with every unsalted call
 
@@ -123,7 +124,7 @@ def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Reque
     if not call.documents and call.retrieval is None:
         prompt = call.messages if call.messages else call.question
         return Request.of(prompt=prompt, method=call.policy, recompute_ratio=_ratio(call), sampling=call.sampling,
-                          tools=call.tools, cache_salt=call.cache_salt)
+                          tools=call.tools, cache_salt=call.cache_salt, calibrated_ratio=call.calibrated_ratio)
     chunks = list(call.documents)
     if call.retrieval is not None:
         collection, k = call.retrieval
@@ -133,7 +134,8 @@ def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Reque
     template = PromptTemplate(system=call.system) if call.system else None
     question, history = conversation(call)
     return Request.of(tuple(chunks), question, method=call.policy, recompute_ratio=_ratio(call), history=history,
-                      template=template, sampling=call.sampling, cache_salt=call.cache_salt)
+                      template=template, sampling=call.sampling, cache_salt=call.cache_salt,
+                      calibrated_ratio=call.calibrated_ratio)
 
 
 def _ratio(call: EngineCall) -> str | None:

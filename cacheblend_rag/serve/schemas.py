@@ -158,6 +158,11 @@ class CacheBlendOptions(_Body):
         """Whether the loading controller chooses the recompute ratio."""
         return self.recompute_ratio == "auto"
 
+    @property
+    def calibrated_ratio(self) -> bool:
+        """Whether the body named no ratio for a method that has one: the model's calibrated ratio applies."""
+        return self.recompute_ratio is None and takes_ratio(POLICIES[self.method])
+
     def policy(self) -> Policy:
         """The method's policy with these options (`recompute_ratio="auto"` leaves its ratio to the engine)."""
         return make_policy(self.method, None if self.auto_ratio else self.recompute_ratio, **self.policy_options())

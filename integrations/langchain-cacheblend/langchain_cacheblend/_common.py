@@ -12,7 +12,7 @@ from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.fuse.policies import (POLICIES, all_option_names, check_not_options, check_ratio,
                                           make_policy)
 from cacheblend_rag.models.loader import DEFAULT_MODEL
-from cacheblend_rag.request import DEFAULT_METHOD, DEFAULT_RECOMPUTE_RATIO, call_keywords
+from cacheblend_rag.request import DEFAULT_METHOD, call_keywords
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
 
@@ -99,8 +99,9 @@ class EngineFields(BaseModel):
     method: str = DEFAULT_METHOD
     """Prefill method, any of the policy registry's (`cacheblend_rag.fuse.policies.POLICIES`): relevance (the
     default), cacheblend, cachecraft, full_reuse, prefix_cache, full_prefill."""
-    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
-    """Share of reused chunk tokens recomputed (methods that take a ratio)."""
+    recompute_ratio: float | None = None
+    """Share of reused chunk tokens recomputed (methods that take a ratio); None: the model's calibrated ratio (the
+    fidelity gate, `cacheblend-rag calibrate`), else the method's default (0.15)."""
     policy_options: dict[str, Any] = Field(default_factory=dict)
     """The method's own options, for any policy of the registry (`cacheblend_rag.fuse.policies.POLICIES`): e.g.
     {"check_layers": (1, 2), "guard": 0.1} for cacheblend, {"alpha": 0.5} for cachecraft; checked by the policy."""
@@ -148,8 +149,8 @@ class EngineFields(BaseModel):
 
     @field_validator("recompute_ratio")
     @classmethod
-    def _check_ratio(cls, value: float) -> float:
-        return check_ratio(value)  # a ConfigError is a ValueError: pydantic reports it as a ValidationError
+    def _check_ratio(cls, value: float | None) -> float | None:
+        return None if value is None else check_ratio(value)  # a ConfigError is a ValueError: pydantic reports it as a ValidationError
 
     @model_validator(mode="after")
     def _name_from_engine(self) -> Self:

@@ -43,8 +43,9 @@ def add_ask(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--option", action="append", type=policy_option, default=[], metavar="KEY=VALUE",
                    help="an option of the method's policy, e.g. --option check_layers=[1,2] --option guard=0.1 "
                         "(VALUE is JSON, else a string; repeatable)")
-    p.add_argument("--ratio", type=ratio_arg, default=DEFAULT_RECOMPUTE_RATIO,
-                   help=f"recompute ratio in [0, 1] (default {DEFAULT_RECOMPUTE_RATIO})")
+    p.add_argument("--ratio", type=ratio_arg, default=None,
+                   help="recompute ratio in [0, 1] (default: the model's calibrated ratio, `cacheblend-rag "
+                        f"calibrate`, else {DEFAULT_RECOMPUTE_RATIO})")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help='stop the answer at TEXT (repeatable; default: a blank line or a new "Question:" line; '

@@ -27,7 +27,7 @@ from cacheblend_rag.fuse.policies import (POLICIES, all_option_names, check_not_
                                           make_policy)
 from cacheblend_rag.ingest.chunks import looks_like_chunk_id, normalize_text
 from cacheblend_rag.models.loader import DEFAULT_MODEL
-from cacheblend_rag.request import DEFAULT_METHOD, DEFAULT_RECOMPUTE_RATIO, Request, call_keywords
+from cacheblend_rag.request import DEFAULT_METHOD, Request, call_keywords
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -372,7 +372,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     home: str | None = Field(default=None, description="Package home of a lazily built engine.")
     method: str = Field(default=DEFAULT_METHOD, description="Prefill method, any of the policy registry's: "
                         "relevance (the default), cacheblend, cachecraft, full_reuse, prefix_cache, full_prefill.")
-    recompute_ratio: float = Field(default=DEFAULT_RECOMPUTE_RATIO, description="Recomputed share of reused tokens.")
+    recompute_ratio: float | None = Field(default=None, description="Recomputed share of reused tokens; None: the "
+                                          "model's calibrated ratio (the fidelity gate), else the method's default.")
     policy_options: dict = Field(default_factory=dict, description="The method's own options, for any policy of "
                                  "the registry (e.g. {'check_layers': (1, 2)} for cacheblend, {'alpha': 0.5} for "
                                  "cachecraft); checked by the policy.")
@@ -385,8 +386,8 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
 
     @field_validator("recompute_ratio")
     @classmethod
-    def _check_ratio(cls, value: float) -> float:
-        return check_ratio(value)  # a ConfigError is a ValueError: pydantic reports it as a ValidationError
+    def _check_ratio(cls, value: float | None) -> float | None:
+        return None if value is None else check_ratio(value)  # a ConfigError is a ValueError: pydantic reports it as a ValidationError
 
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
         if engine is not None and not isinstance(engine, CacheBlendEngine):

@@ -1,0 +1,195 @@
+"""The fidelity gate: per model, the recompute ratio at which reuse still gives full prefill's answers.
+
+Reuse approximates the chunks' KV, and the error grows with the model: the same 15 % that keeps SmolLM2-135M's
+first token leaves a 1.5B Qwen answering from the wrong passage. So the ratio a request runs at when it names none
+is measured per model, not assumed: a small built-in calibration set (8 MuSiQue questions × 6 passages of 160
+words, `data/calibration.json`) is run under full prefill and under the method at rising ratios, and the smallest
+ratio that meets the target (mean first-token KL ≤ `target_kl` and the same top token as full prefill on ≥
+`min_agreement` of the questions) becomes the model's ratio. A model that meets it at no ratio below 1 is served at
+ratio 1 (full prefill's answers) and a warning says so; naming a ratio (or `"auto"`) always overrides the gate.
+
+    decision = calibrate(engine)                  # ~1 min for SmolLM2 on 2 CPU cores, ~10 min for a 1.5B model
+    path = store(decision)                        # this machine's: <models dir>/gates/<fingerprint>-<method>.json
+    find(engine.fingerprint, engine.model_name)   # this machine's decision, else the one shipped for a packaged model
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from . import settings
+from .errors import ConfigError
+from .fuse.fidelity import first_token_kl
+from .fuse.policies import DEFAULT_METHOD, POLICIES, takes_ratio
+
+if TYPE_CHECKING:  # typing only: the engine imports this module
+    from .engine import CacheBlendEngine
+
+logger = logging.getLogger(__name__)
+
+RATIOS = (0.15, 0.2, 0.3, 0.4, 0.5, 0.7)  # tried in order; the first that meets the target is the model's
+TARGET_KL = 0.05  # mean first-token KL vs full prefill
+MIN_AGREEMENT = 0.9  # share of questions whose top first token is full prefill's
+FALLBACK_RATIO = 1.0  # a model that meets the target at no ratio tried: every reused row recomputed
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """What the calibration measured for one model and method, and the ratio requests that name none run at."""
+
+    model: str
+    fingerprint: str
+    method: str
+    ratio: float  # the chosen ratio, or FALLBACK_RATIO when none tried met the target
+    met: bool  # whether a ratio below 1 met the target
+    target_kl: float
+    min_agreement: float
+    expected_kl: float  # mean first-token KL at `ratio` on the calibration set (0 at ratio 1: full prefill)
+    agreement: float  # share of calibration questions with full prefill's top token at `ratio`
+    table: tuple[dict, ...]  # per ratio tried: ratio, mean_kl, max_kl, agreement, speedup
+    num_questions: int
+    mean_tokens: float  # prompt length of the calibration requests
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    created: float = 0.0
+    source: str = "measured"  # "measured" on this machine, or "shipped" with the package for a packaged model
+
+    def stats(self) -> dict[str, Any]:
+        """What a request's stats say of it (`stats["fidelity"]`)."""
+        return {"ratio": self.ratio, "met": self.met, "target_kl": self.target_kl, "expected_kl": self.expected_kl,
+                "agreement": self.agreement, "source": self.source}
+
+    def to_json(self) -> str:
+        """The decision as JSON (what `store` writes)."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, source: str | None = None) -> "GateDecision":
+        """A stored decision; ValueError when it is not one."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        data["table"] = tuple(data.get("table", ()))
+        if source is not None:
+            data["source"] = source
+        decision = cls(**data)
+        if decision.method not in POLICIES or not (0 <= decision.ratio <= 1) or math.isnan(decision.ratio):
+            raise ValueError(f"method {decision.method!r} or ratio {decision.ratio!r} out of range")
+        return decision
+
+
+def calibration_items() -> list[dict]:
+    """The built-in calibration set: [{"question", "passages"}]."""
+    text = resources.files("cacheblend_rag").joinpath("data/calibration.json").read_text(encoding="utf-8")
+    return json.loads(text)["items"]
+
+
+def calibrate(engine: "CacheBlendEngine", method: str = DEFAULT_METHOD, *, target_kl: float = TARGET_KL,
+              min_agreement: float = MIN_AGREEMENT, ratios: tuple[float, ...] = RATIOS,
+              items: list[dict] | None = None, show_progress: bool = True) -> GateDecision:
+    """Measure `method` against full prefill on the calibration set at each ratio in turn, up to the first that
+    meets the target. Runs on a scratch engine over the same model (a memory store: nothing reaches the user's)."""
+    if method not in POLICIES or not takes_ratio(POLICIES[method]):
+        raise ConfigError(f"the fidelity gate calibrates a method with a recompute ratio, not {method!r}")
+    if not (target_kl > 0 and math.isfinite(target_kl)) or not 0 < min_agreement <= 1:
+        raise ConfigError(f"target_kl must be > 0 and min_agreement within (0, 1], got {target_kl}, {min_agreement}")
+    items = calibration_items() if items is None else items
+    scratch = type(engine)(engine.model, engine.tokenizer, None, template=engine.template, lead_in=engine.lead_in,
+                           model_name=engine.model_name, prefix_reuse=False)
+    references, tokens = [], []
+    progress = tqdm(total=len(items) * (1 + len(ratios)), desc=f"calibrating {engine.model_name}", unit="prefill",
+                    disable=not show_progress)
+    with progress:
+        for item in items:  # full prefill of each question once: the reference every ratio is held to
+            ids = scratch.ingest(item["passages"], show_progress=False)
+            started = time.perf_counter()
+            full = scratch.prefill(ids, item["question"], "full_prefill")
+            references.append((ids, item["question"], full.logits, time.perf_counter() - started))
+            tokens.append(full.stats["num_tokens"])
+            progress.update()
+        table: list[dict] = []
+        for ratio in ratios:
+            kls, same, speedups = [], [], []
+            for ids, question, reference, full_s in references:
+                started = time.perf_counter()
+                got = scratch.prefill(ids, question, method, ratio)
+                speedups.append(full_s / (time.perf_counter() - started))
+                kls.append(first_token_kl(reference, got.logits))
+                same.append(int(got.logits.argmax()) == int(reference.argmax()))
+                progress.update()
+            row = {"ratio": ratio, "mean_kl": statistics.fmean(kls), "max_kl": max(kls),
+                   "agreement": sum(same) / len(same), "speedup": statistics.fmean(speedups)}
+            table.append(row)
+            logger.info("calibrate %s %s@%s: mean KL %.4f, agreement %.2f", engine.model_name, method, ratio,
+                        row["mean_kl"], row["agreement"])
+            if row["mean_kl"] <= target_kl and row["agreement"] >= min_agreement:
+                break
+    chosen = table[-1] if table[-1]["mean_kl"] <= target_kl and table[-1]["agreement"] >= min_agreement else None
+    adapter = engine.adapter
+    return GateDecision(
+        model=engine.model_name, fingerprint=engine.fingerprint, method=method,
+        ratio=chosen["ratio"] if chosen else FALLBACK_RATIO, met=chosen is not None, target_kl=target_kl,
+        min_agreement=min_agreement, expected_kl=chosen["mean_kl"] if chosen else 0.0,
+        agreement=chosen["agreement"] if chosen else 1.0, table=tuple(table), num_questions=len(items),
+        mean_tokens=statistics.fmean(tokens), device=adapter.device.type,
+        dtype=str(adapter.dtype).removeprefix("torch."), created=time.time())
+
+
+def gate_path(fingerprint: str, method: str) -> Path:
+    """Where this machine keeps a model's decision for `method` (beside the converted models)."""
+    return settings.models_dir() / "gates" / f"{fingerprint}-{method}.json"
+
+
+def store(decision: GateDecision) -> Path:
+    """Write the decision for this machine (atomically); the engine reads it on its next start."""
+    path = gate_path(decision.fingerprint, decision.method)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(decision.to_json())
+    os.replace(tmp, path)
+    return path
+
+
+def find(fingerprint: str, model_name: str, method: str = DEFAULT_METHOD) -> GateDecision | None:
+    """The decision for a model: measured on this machine (by fingerprint), else shipped with the package for a
+    packaged model (by its alias); None when there is none. An unreadable file is logged and skipped."""
+    from .models.loader import PACKAGED_GGUF
+
+    candidates = [(gate_path(fingerprint, method), None)]
+    if model_name in PACKAGED_GGUF:
+        candidates.append((resources.files("cacheblend_rag").joinpath(f"data/gates/{model_name}.json"), "shipped"))
+    for path, source in candidates:
+        try:
+            if not path.is_file():
+                continue
+            text = path.read_text(encoding="utf-8")
+            if source == "shipped":  # one file per packaged model: its decisions by method
+                entry = json.loads(text).get(method)
+                if entry is None:
+                    continue
+                text = json.dumps(entry)
+            return GateDecision.from_json(text, source)
+        except (OSError, ValueError, TypeError) as e:
+            logger.warning("the fidelity gate's decision %s is unreadable (%s); skipping it", path, e)
+    return None
+
+
+def ship_into(decision: GateDecision, path: str | os.PathLike[str]) -> Path:
+    """Add a decision to a packaged model's shipped file (`data/gates/<alias>.json`: decisions by method)."""
+    path = Path(path)
+    entries = json.loads(path.read_text()) if path.is_file() else {}
+    entries[decision.method] = {**asdict(decision), "source": "shipped"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entries, indent=1) + "\n")
+    return path
