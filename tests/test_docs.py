@@ -252,6 +252,19 @@ def test_links_point_at_files_and_headings_that_exist(page):
     assert not broken, f"{page.name}: broken links {broken}"
 
 
+def test_every_docs_path_named_anywhere_exists():
+    """A `docs/<page>.md` named in any text file of the repository (code comments, READMEs) is a file that exists."""
+    named = re.compile(r"docs/[\w./-]+\.md")
+    stale = []
+    for path in REPO.rglob("*"):
+        if path.suffix not in (".py", ".md", ".toml") or {".venv", ".git"} & set(path.parts) or path.name == "CHANGELOG.md":
+            continue
+        for ref in set(named.findall(path.read_text(errors="ignore"))):
+            if not (REPO / ref).exists():
+                stale.append(f"{path.relative_to(REPO)}: {ref}")
+    assert not stale, f"names of docs pages that do not exist: {stale}"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_pages_are_a_manual_not_a_work_log(page):
     text = page.read_text()
