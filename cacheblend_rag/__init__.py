@@ -15,15 +15,15 @@ from .errors import (
     UnsupportedModelError,
 )
 from .fuse.layout import PromptTemplate
-from .fuse.policies import METHODS, CacheBlend, FullPrefill, FullReuse, PrefixCache, make_policy
+from .fuse.policies import METHODS, CacheBlend, CacheCraft, FullPrefill, FullReuse, PrefixCache, Relevance, make_policy
 from .ingest.chunks import Chunk, chunk_id
 from .models.loader import DEFAULT_MODEL, load_model
 from .request import Request
 
 __all__ = [
-    "DEFAULT_MODEL", "METHODS", "CacheBlend", "CacheBlendEngine", "CacheBlendError", "CacheFormatError", "Chunk",
+    "DEFAULT_MODEL", "METHODS", "CacheBlend", "CacheBlendEngine", "CacheCraft", "CacheBlendError", "CacheFormatError", "Chunk",
     "ChunkError", "ConfigError", "FullPrefill", "FullReuse", "Generation", "Grammar", "GrammarError",
     "MissingDependencyError", "ModelNotCachedError", "ModelNotFoundError", "Prefill", "PrefixCache", "PromptTemplate", "PromptTooLongError",
-    "Request", "SamplingOptions", "UnsupportedModelError", "chunk_id", "load_model", "make_policy",
+    "Relevance", "Request", "SamplingOptions", "UnsupportedModelError", "chunk_id", "load_model", "make_policy",
 ]
 __version__ = "0.1.0"

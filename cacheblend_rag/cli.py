@@ -220,7 +220,7 @@ def cpu_threads(requested: int | None) -> int:
     """Torch's CPU threads for one latency-bound request: `requested`, else torch's choice (one per core) capped at
     the cores other processes leave idle (1-minute load average), at least 1. On a busy CPU torch's threads wait
     on each other at every op: on the project's 2-core machine at load ~4, one prefill took 0.21-0.31 s with one
-    thread and 0.74-12.5 s with two (docs/benchmarks.md, #41)."""
+    thread and 0.74-12.5 s with two (benchmarks/ask_threads.py, issue #41)."""
     import torch
 
     if requested is not None:
@@ -836,7 +836,7 @@ def run_parsed(args: argparse.Namespace) -> int:
 def console_main() -> int:
     """The `cacheblend-rag` script (and `python -m cacheblend_rag.cli`): `main`, then a cheap exit. After torch,
     transformers and Chroma are imported, the interpreter's last garbage collections walk millions of objects:
-    1.2-2.0 s of every command's wall time on the project's 2-core CPU (docs/benchmarks.md, #41). Freezing them
+    1.2-2.0 s of every command's wall time on the project's 2-core CPU (issue #41). Freezing them
     first (`gc.freeze`) skips those walks; atexit handlers and reference-counted clean-up still run (only objects
     in reference cycles go unfinalized, which Python never promised at exit anyway)."""
     code = main()

@@ -90,7 +90,8 @@ def _check_kv_codec(kv_codec: str, kv_store: object) -> None:
 
 
 class CacheBlendEngine:
-    """A local generator that reuses chunk KV caches: full prefill, prefix cache, full reuse or CacheBlend.
+    """A local generator that reuses chunk KV caches, by any method of the policy registry: relevance (the
+    default), cacheblend, cachecraft, full_reuse, prefix_cache or full_prefill.
 
     >>> engine = CacheBlendEngine.from_pretrained("smollm2-135m", kv_store=None)  # doctest: +SKIP
     >>> ids = engine.ingest(["Lyon sits where the Rhône meets the Saône."])      # doctest: +SKIP
@@ -132,7 +133,7 @@ class CacheBlendEngine:
         self.lead_in = lead_in
         if prefetch_depth is None:
             # A prefetch thread hides loads behind GPU compute; on a CPU it steals cores from the layers
-            # (bf16 on 2 cores, cold disk vs memory tier: 1.57× TTFT pipelined vs 1.32× on demand, docs/benchmarks/record.md).
+            # (bf16 on 2 cores, cold disk vs memory tier: 1.57× TTFT pipelined vs 1.32× on demand, `cacheblend-rag bench loading`).
             prefetch_depth = 2 if self.adapter.device.type == "cuda" else 0
         if prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be ≥ 0, got {prefetch_depth}")
@@ -300,7 +301,7 @@ class CacheBlendEngine:
         each chunk computed after its `neighbors` most similar chunks of this call (`ingest_variants`).
         `behind="neighbor"` computes each chunk's KV behind its most similar other chunk of this call (between the
         lead-in and the chunk, not stored), so that it is not the KV of a first document: look-alike documents keep
-        their answers under reuse (docs/benchmarks.md, "Right answers among look-alike documents"); ingest costs
+        their answers under reuse (docs/benchmarks.md, "Which method for my documents"); ingest costs
         about twice the compute, a request nothing more.
         """
         if variants is not None and variants not in VARIANT_POLICIES:

@@ -6,7 +6,7 @@ tools to the template (`Request.tools` reaches `apply_chat_template(tools=...)`)
 own `tool_calls` and `tool` messages, and the grammar forces the template's own call syntax. The generic one:
 
 Tools are OpenAI function specs (`{"type": "function", "function": {"name", "description", "parameters"}}`).
-The generic format (documented in docs/integrations.md), in plain chat messages any template renders:
+The generic format (documented in docs/design.md, "Tool formats"), in plain chat messages any template renders:
 
 - a system message lists the tools as JSON inside `<tools>...</tools>` and says how to call one;
 - the model calls a tool by answering exactly `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`

@@ -4,7 +4,7 @@ Per question, the agent loop of LangChain's RAG tutorial in the package's generi
 
     step 1  the question and a `retrieve` tool, tool_choice "required": the grammar forces a well-formed call
     tool    the bench runs it: the question's passages, joined verbatim as the tool's result (so its stored chunks
-            are found in the ToolMessage, as docs/integrations.md says a retriever tool should return them)
+            are found in the ToolMessage, as docs/langchain.md says a retriever tool should return them)
     step 2  the history with the call and its result, tool_choice "auto": a plain answer or one more call
 
 Per step: TTFT, rows from a stored prefix / stored chunks / computed, tokens, whether the call parsed. The cost of

@@ -221,7 +221,7 @@ class GrammarCompiler:
     def warm_up(self, *, background: bool = True) -> threading.Thread | None:
         """Do the one-time set-up a first grammar pays (the tokenizer conversion, the token leads, llguidance's
         JSON-schema path on a tiny schema) now: 0.5 s on SmolLM2, 1.9 s on Qwen2.5-Coder-0.5B on the project's CPU
-        (docs/benchmarks.md, #41), which a first tool call otherwise adds to its latency. `background`: on a daemon
+        (issue #41), which a first tool call otherwise adds to its latency. `background`: on a daemon
         thread, started once (the thread is returned; later calls return it again); a grammar asked for meanwhile
         waits for the part it needs rather than building it twice. Failures are left for the first real grammar to
         report. Called at the first `bind_tools` / `with_structured_output` and when a server starts; an engine

@@ -178,7 +178,7 @@ class ChunkCache:
     def foreign_opening(self, opening: Sequence[int]) -> bool:
         """Whether a prompt's text before its first chunk begins with another token than the lead-in: another kind
         of frame (a plain string prompt where chunks were computed behind the chat template's system turn), where
-        chunk KV computed behind the lead-in deviates most (docs/benchmarks.md, "How close ...")."""
+        chunk KV computed behind the lead-in deviates most (docs/benchmarks.md, "How right")."""
         return bool(opening) and bool(self.lead_in_ids) and opening[0] != self.lead_in_ids[0]
 
     def opening_recurs(self, opening: Sequence[int]) -> bool:

@@ -1,6 +1,6 @@
 """Look-alike pages: a later chunk that repeats an earlier chunk's phrasing with other content.
 
-Reused KV loses answers among such pages (docs/benchmarks.md, "Right answers among look-alike documents"): a page
+Reused KV loses answers among such pages (docs/benchmarks.md, "Which method for my documents"): a page
 computed on its own is the KV of a *first* document, and placed second or third among pages written from the same
 template (product pages, FAQ pages, forms) it pulls the question to its own facts — a neighbour's price. Pages that
 merely repeat each other (overlapping windows of one article) or share nothing do not. So the risk is phrasing

@@ -9,7 +9,7 @@ A server can require a token (`token=`, sent as `Authorization: Bearer ...` thro
 `TokenAuthClientProvider`) and https (`ssl=True`, verified against the system's CAs or `ca_bundle=`).
 Chroma's own `chroma run` (the Rust server of chromadb 1.x) has no authentication: put it behind a proxy that
 checks the token and terminates TLS, or run chromadb's Python server (`uvicorn chromadb.app:app`) with
-`CHROMA_SERVER_AUTHN_PROVIDER=chromadb.auth.token_authn.TokenAuthenticationServerProvider` (docs/integrations.md).
+`CHROMA_SERVER_AUTHN_PROVIDER=chromadb.auth.token_authn.TokenAuthenticationServerProvider` (docs/cli.md).
 """
 
 from __future__ import annotations

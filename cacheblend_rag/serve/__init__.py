@@ -3,7 +3,7 @@
     app.py        routes, errors, auth, SSE; `create_app(engine, ServeConfig(...))`
     schemas.py    request bodies (OpenAI fields + `documents`, `chunk_ids`, `retrieval`, `cacheblend`)
     scheduler.py  the bounded request queue and the engine's worker thread
-    runner.py     one request through the engine (`_run_request`, the seam to the engine's API)
+    runner.py     one request through the engine (`engine_request`, the seam to the engine's API)
     metrics.py    Prometheus counters, histograms and gauges
     command.py    the CLI subcommand
 

@@ -397,7 +397,7 @@ class CacheGenCodec:
     Before step 1, the first `exact_rows` rows (default 1) are taken out and stored as they are (fp16, or the
     input's dtype when it is fp16/bf16): in the stored lead-in segment (position 0) the first row is the
     attention sink, whose quantization error alone moved the first-token KL by +0.03-0.11 on MuSiQue questions
-    (issue 30, docs/benchmarks/record.md "CacheGen's tail"); its values would also set the per-channel steps of every
+    (issue 30, `cacheblend-rag codec-bench --half report`); its values would also set the per-channel steps of every
     other row. In a chunk the first row is an ordinary token and costs ~38 B/token of a 600-token chunk.
 
     4. Entropy-coded: the symbols of each (layer, K|V, KV head) share one categorical model whose
@@ -420,7 +420,7 @@ class CacheGenCodec:
         *,
         # keys: issue 16's sweep (their error moved the dev-set mean KL 5-10x more than the values' at equal bits).
         # values: one bit more than issue 16's 3.5/3/3 (5.08x), whose per-question tail on held-back questions
-        # missed p90 ΔKL <= 0.03 (+0.043); the middle and deep values carried it (issue 30, docs/benchmarks/record.md
+        # missed p90 ΔKL <= 0.03 (+0.043); the middle and deep values carried it (issue 30, codec-bench
         # "CacheGen's tail, the ratio that holds it"): 4.33x smaller than fp16
         key_bits: Any = (5.5, 4.5, 4.5),
         value_bits: Any = (4.5, 4, 4),

@@ -4,7 +4,7 @@
 cachegen entries: after each fetch's latency, a reader sleeps until the stored bytes it has returned could have
 crossed the link, which every reader of the store shares (transfers queue on one `Link`), so per-layer loading
 streams like a network transfer and the fused loop can overlap it with compute. It is a benchmark and test tool
-for "where does each codec, and where does recompute, win" (docs/benchmarks/record.md, "KV codecs"); the bytes paced are
+for "where does each codec, and where does recompute, win" (`cacheblend-rag codec-bench --bandwidth`, docs/deploy.md "Codecs"); the bytes paced are
 the inner store's stored bytes, i.e. compressed bytes for a coded store.
 """
 

@@ -40,7 +40,7 @@ computed after its nearest neighbours (in that policy's own per-chunk state, `Po
 DEFAULT_METHOD: str = Relevance.name
 """The method every surface uses when a call names none, defined here alone. Query relevance, not CacheBlend's
 deviation ranking: at the same 15 % it keeps the answers on look-alike pages and after an agent's tool, and is
-closer to full prefill on distinct documents (docs/benchmarks.md, "Which method is the default")."""
+closer to full prefill on distinct documents (docs/benchmarks.md, "Which method for my documents")."""
 
 __all__ = ["DEFAULT_METHOD", "METHODS", "POLICIES", "VARIANT_POLICIES", "CacheBlend", "CacheCraft", "FullPrefill",
            "FullReuse", "HKVDSelection", "Policy", "PrefixCache", "Relevance", "all_option_names", "call_options",

@@ -49,7 +49,7 @@ class CacheBlend(placement.EveryChunk, Policy):
     check_layers: tuple[int, ...] = (1,)
     candidate_factor: float = 2.5  # candidates kept at the check layer, × recompute_ratio (1: no gradual filtering)
     filter_layer: int = 3  # where the candidates are narrowed to recompute_ratio
-    deviation: str = "k"  # measure the deviation on "k", "v" or both ("kv"); K measured best here (docs/benchmarks/record.md)
+    deviation: str = "k"  # measure the deviation on "k", "v" or both ("kv"); K measured best here (bench methods, deviation=k|v|kv)
     selection: str = "global"  # top tokens over all chunks, "per_chunk" (the same ratio in each), "random" (a control)
     chunk_head_tokens: int = 0  # always recompute the first n tokens of each reused chunk
     weight: str = "attention"  # weight deviations by the question's attention to each token ("none": plain HKVD)

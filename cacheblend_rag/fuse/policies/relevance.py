@@ -2,7 +2,7 @@
 
 Deviation-ranked recompute (CacheBlend's HKVD) chooses rows whose KV moved most; on look-alike documents and on an
 agent's step after a tool (the question first, the pages after it) the rows that decide the answer are not those
-(docs/benchmarks.md, "Right answers among look-alike documents": even the true deviation, measured against a full
+(issue 39: even the true deviation, measured against a full
 prefill, keeps no more answers at 15 %). This policy ranks by what the question reads instead, as ProphetKV (arXiv
 2602.02579) does: a probe pass (`hkvd.question_relevance`) runs only the uncached rows (question, template) through
 every layer over the stale KV (a few dozen rows: cheap), and the attention the trailing rows give each reused row,

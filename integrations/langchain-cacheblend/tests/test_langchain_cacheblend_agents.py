@@ -112,7 +112,7 @@ def test_langgraph_tool_node_loop_on_qwen_with_auto_at_every_step_ends():
 
 
 def test_docs_smollm2_recipe_forced_first_call_then_auto_ends():
-    """docs/integrations.md's SmolLM2 recipe: a middleware forces the first call; after the tool's result the
+    """docs/langchain.md's SmolLM2 recipe: a middleware forces the first call; after the tool's result the
     model is left "auto". It used to call the same tool again after every result until the recursion limit."""
     from langchain.agents import create_agent
     from langchain.agents.middleware import ModelRequest, wrap_model_call

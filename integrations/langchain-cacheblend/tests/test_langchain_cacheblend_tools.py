@@ -206,7 +206,7 @@ def test_langgraph_tool_node_loop_reuses_the_previous_step_and_the_tool_results_
     @tool
     def search_bees(query: str) -> str:
         """Search the bee encyclopedia."""
-        return "\n\n".join(passages)  # the documents' text verbatim, as docs/integrations.md advises
+        return "\n\n".join(passages)  # the documents' text verbatim, as docs/langchain.md advises
 
     model = ChatCacheBlend(engine=engine, max_tokens=48)
     forced = model.bind_tools([search_bees], tool_choice="search_bees")
