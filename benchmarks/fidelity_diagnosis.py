@@ -4,6 +4,7 @@ For MuSiQue questions with their first passages (each cut to `--passage-tokens` 
 seconds), every arm reuses the passages' stored KV and recomputes one set of rows; first-token KL against the
 model's own full prefill of the same prompt, and whether the top token is the same, are reported per arm:
 
+    default             the default method at the model's own ratio (the fidelity gate's decision)
     full_reuse          nothing recomputed
     cacheblend@R        CacheBlend's deviation ranking (the package's policy)
     relevance@R         the question's attention over the stale KV (the package's default)
@@ -13,6 +14,8 @@ model's own full prefill of the same prompt, and whether the top token is the sa
     cross@R             oracle: the rows that, in full prefill, attend most to the passages before them (what a
                         stale row lacks); the top R of reused rows, attention summed over layers
     question@R          oracle: the rows the question attends to most in full prefill (relevance's target)
+    layers@L            every row computed in layers 0..L, the reused rows stale from layer L+1 on (which layers'
+                        staleness costs the most)
     ape@T               full reuse, the stale rows' keys at attention temperature T (APE's temperature: logits ÷ T)
     ape_relevance@T     relevance@0.15's rows recomputed, the other reused rows' keys at temperature T
 
@@ -50,14 +53,28 @@ class ChosenRows(placement.EveryChunk, Policy):
 
     choose: RowChoice = field(default=lambda seq: torch.zeros_like(seq.cached))
     temperature: float = 1.0  # attention temperature on the keys of the reused rows not recomputed
+    through_layer: int | None = None  # every row computed through this layer (then only `choose`'s: none here)
     name: ClassVar[str] = "chosen_rows"
 
     def start(self, adapter, seq: FusedSequence, placed) -> RowSelection:
         """The uncached rows and the chosen reused ones."""
         active = ~seq.cached | (self.choose(seq) & seq.reused)
+        if self.through_layer is not None:
+            return _FirstLayers(~seq.exact, self.through_layer + 1, last=self.through_layer)
         if self.temperature == 1.0:
             return RowSelection(active)
         return _Tempered(active, stale=seq.reused & ~active, key_scale=1.0 / self.temperature)
+
+
+@dataclass
+class _FirstLayers(RowSelection):
+    """Every non-exact row through layer `last`, then only the uncached ones."""
+
+    last: int = 0
+
+    def keep(self, view: LayerView) -> torch.Tensor | None:
+        """Drop the reused rows after layer `last`."""
+        return ~view.seq.cached[view.rows] if view.layer == self.last else None
 
 
 @dataclass
@@ -145,11 +162,17 @@ def run(engine: CacheBlendEngine, items: list[dict], arms: list[str], num_chunks
             name, _, arg = arm.partition("@")
             if name in ("cross", "question") and oracle is None:
                 oracle = full_attention(engine, ids, question)
-            if name in ("full_reuse", "cacheblend", "relevance", "cachecraft"):
+            if name == "default":
+                started = time.perf_counter()
+                out = engine.prefill(ids, question)
+            elif name in ("full_reuse", "cacheblend", "relevance", "cachecraft"):
                 policy = arm if name == "full_reuse" else None
                 started = time.perf_counter()
                 out = engine.prefill(ids, question, name, float(arg) if arg else None) if policy is None else \
                     engine.prefill(ids, question, "full_reuse")
+            elif name == "layers":
+                started = time.perf_counter()
+                out = engine.prefill(ids, question, ChosenRows(through_layer=int(arg)))
             elif name in ("ape", "ape_relevance"):
                 choose = relevant_rows(engine, 0.15) if name == "ape_relevance" else chooser("heads", "0", None)
                 started = time.perf_counter()
@@ -164,6 +187,7 @@ def run(engine: CacheBlendEngine, items: list[dict], arms: list[str], num_chunks
                 "same_top": int(out.logits.argmax()) == int(ref.logits.argmax()),
                 "top": engine.tokenizer.decode([int(out.logits.argmax())]),
                 "recomputed": out.stats["num_recomputed"], "reused": out.stats["num_reused"],
+                "ratio": out.stats.get("recompute_ratio"),
                 "speedup": full_s / seconds,
             }
         records.append(record)

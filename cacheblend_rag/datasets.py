@@ -35,14 +35,17 @@ def resolve_dataset(value: str | os.PathLike[str] | None) -> Path:
                             "does not exist either")
 
 
-def load_dataset(path: str | Path, limit: int | None, *, shuffle: bool = False, seed: int = 0) -> list[dict]:
-    """MuSiQue-style JSON: [{ctxs: [{title, text}], question, answers}]; the first `limit` (or a seeded sample)."""
+def load_dataset(path: str | Path, limit: int | None, *, shuffle: bool = False, seed: int = 0,
+                 skip: int = 0) -> list[dict]:
+    """MuSiQue-style JSON: [{ctxs: [{title, text}], question, answers}]; the first `limit` after the first `skip`
+    (a slice kept back for the record), or of a seeded sample."""
     items = json.loads(Path(path).read_text())
     if not isinstance(items, list) or not all(isinstance(i, dict) and "question" in i and "ctxs" in i for i in items):
         raise ValueError(f"{path}: expected a JSON list of {{ctxs: [{{title, text}}], question, answers}}")
     if shuffle:
         items = list(items)
         random.Random(seed).shuffle(items)
+    items = items[skip:]
     return items[:limit] if limit else items
 
 

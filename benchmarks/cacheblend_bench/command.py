@@ -57,6 +57,8 @@ def _common_options() -> list[argparse.ArgumentParser]:
                       f"(default: ${settings.ENV_MUSIQUE}, else {FALLBACK_DATASET} from the working folder)")
     data.add_argument("--limit", type=int, default=20, help="questions to run (default 20; 0 = all)")
     data.add_argument("--shuffle", action="store_true", help="take a seeded random sample of questions")
+    data.add_argument("--skip", type=int, default=0, metavar="N",
+                      help="leave out the first N questions (e.g. keep 0-39 for tuning and run 40-49 for the record)")
     data.add_argument("--chunks", type=int, default=6, help="passages (chunks) per question (default 6)")
     data.add_argument("--chunk-tokens", type=int, default=None, metavar="N",
                       help="re-cut each question's passages into --chunks chunks of about N tokens (model tokenizer)")
@@ -267,7 +269,7 @@ def _questions_and_engine(args: argparse.Namespace, dataset: Path):
     from .datasets import load_dataset
 
     engine = _engine(args, kv_store=None if args.study == "loading" else args.kv_store)
-    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
+    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed, skip=args.skip)
     return items, engine
 
 
@@ -530,7 +532,7 @@ def _serve_load(args: argparse.Namespace, dataset: Path) -> dict:
     from .load import format_serve_load, run_serve_load
     from .report import machine, write_table
 
-    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)
+    items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed, skip=args.skip)
     result = run_serve_load(items, model=args.model, dtype=args.dtype, num_chunks=args.chunks,
                             concurrency=args.concurrency, num_requests=args.requests,
                             max_tokens=args.max_new_tokens)
@@ -611,7 +613,8 @@ def _shared_tier(args: argparse.Namespace, dataset: Path) -> dict:
     from .report import machine, write_table
 
     items = [(item["question"], passages_of(item, args.chunks))
-             for item in load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed)]
+             for item in load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed,
+                                      skip=args.skip)]
     if args.study == "faults":
         from . import faults
 
