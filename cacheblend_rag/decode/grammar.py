@@ -28,6 +28,10 @@ KINDS = ("json_schema", "json_object", "lark")
 # max_tokens. `lenient`: schema keywords llguidance does not implement (rare ones, e.g. some `format`s) are
 # ignored rather than failing the request; the parsed output is still valid JSON of the schema's shape.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+# Objects and arrays a schema may nest, counted as JSON nests them (an object property is two: the object and its
+# `properties`); deeper ones are refused before anything walks them recursively (a RecursionError otherwise).
+# Real schemas nest a few levels and share the rest through $defs/$ref.
+MAX_SCHEMA_DEPTH = 128
 
 
 class GrammarError(ConfigError):
@@ -59,6 +63,23 @@ def _llguidance():
     return llguidance
 
 
+def check_schema_depth(schema: Any, what: str = "the JSON schema") -> None:
+    """GrammarError when `schema` nests objects and arrays deeper than MAX_SCHEMA_DEPTH (walked without recursion)."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"{what} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep (the "
+                               "limit); share repeated parts through $defs and $ref, or flatten it")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def with_json_options(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with this package's JSON spacing options (`x-guidance`), the caller's own taking precedence."""
     return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
@@ -88,6 +109,7 @@ class Grammar:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        check_schema_depth(schema)
         return cls("json_schema", json.dumps(schema))  # key order kept: properties are generated in it
 
     @classmethod
@@ -112,9 +134,13 @@ class Grammar:
     def serialized(self) -> str:
         """The grammar as llguidance takes it."""
         llg = _llguidance()
-        if self.kind == "lark":
-            return llg.LLMatcher.grammar_from_lark(self.source)
-        return llg.LLMatcher.grammar_from_json_schema(with_json_options(json.loads(self.source)))
+        try:
+            if self.kind == "lark":
+                return llg.LLMatcher.grammar_from_lark(self.source)
+            return llg.LLMatcher.grammar_from_json_schema(with_json_options(json.loads(self.source)))
+        except ValueError as e:  # llguidance's own: e.g. a bound past 64 bits ("Value is not JSON serializable")
+            raise GrammarError(f"the {self.kind} grammar cannot be used: {first_line(str(e))}; a number in a "
+                               "schema (minItems, maxLength, minimum, ...) must fit in 64 bits") from e
 
 
 # Closing within the token budget: when the tokens left barely suffice to complete the grammar, each step keeps
