@@ -23,6 +23,7 @@ streams, extracted within 120 s.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -474,6 +475,7 @@ def load_paths(
 _SEPARATORS = ["\n\n", "\n", " "]
 _RUN = re.compile(r"[^ \n]+")
 _LONG_RUN_CHUNKS = 16  # a run of over 16 chunks' worth of characters is cut before the splitter sees it
+_LENGTHS_KEPT = 1 << 16  # token counts of pieces (words, lines) remembered while splitting
 _WINDOW_CHARS = 2**20  # tokenized at a time when cutting a run: bounds the memory of a huge one
 
 
@@ -527,9 +529,11 @@ def split_texts(
         raise MissingDependencyError("splitting needs langchain-text-splitters: pip install 'cacheblend-rag[langchain]'") from e
     if chunk_tokens < 16 or not 0 <= overlap_tokens < chunk_tokens:
         raise ConfigError(f"need chunk_tokens ≥ 16 and 0 ≤ overlap < chunk_tokens, got {chunk_tokens}, {overlap_tokens}")
-    splitter = RecursiveCharacterTextSplitter.from_huggingface_tokenizer(
-        tokenizer, chunk_size=chunk_tokens, chunk_overlap=overlap_tokens, separators=_SEPARATORS
-    )
+    # the splitter measures each word (or line) up to three times, each a tokenizer call (~8 µs, most of a split's
+    # time): the same lengths as from_huggingface_tokenizer's, remembered, so a repeated word costs one look-up
+    token_count = functools.lru_cache(maxsize=_LENGTHS_KEPT)(lambda text: len(tokenizer.tokenize(text)))
+    splitter = RecursiveCharacterTextSplitter(chunk_size=chunk_tokens, chunk_overlap=overlap_tokens,
+                                              separators=_SEPARATORS, length_function=token_count)
 
     def cut(piece: str) -> list[str]:  # a piece the splitter could not split (no separator in it) may be too long
         if any(sep in piece.strip() for sep in _SEPARATORS) or \
