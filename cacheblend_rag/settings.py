@@ -76,7 +76,7 @@ ENV_METRICS_KEY = "CACHEBLEND_RAG_METRICS_KEY"
 
 def metrics_key(override: str | None = None) -> str | None:
     """The operator's key for `serve`'s /metrics (`--metrics-key`, else $CACHEBLEND_RAG_METRICS_KEY); None: unset."""
-    key = override if override is not None else os.environ.get(ENV_METRICS_KEY)
+    key = override if override is not None else os.environ.get(ENV_METRICS_KEY) or None  # set but empty: unset
     if key is not None and not key.strip():
         raise ConfigError("the metrics key is empty (an unset variable in --metrics-key \"$KEY\"?); pass a "
                           "non-empty key, or none")
