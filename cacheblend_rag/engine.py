@@ -386,24 +386,30 @@ class CacheBlendEngine:
                              "smaller chunks (e.g. cacheblend_rag.ingest.loaders.split_texts)")
         return chunk
 
-    def resolve_chunk(self, item: str | Chunk) -> Chunk:
-        """A chunk from its text, its id (known to this engine or its store), or a Chunk."""
+    def resolve_chunk(self, item: str | Chunk, salt: str | None = None) -> Chunk:
+        """A chunk from its text, its id, or a Chunk, remembered under `salt` (a request's `cache_salt`).
+
+        An id resolves from the shared corpus (ingested chunks: this engine's, the chunk index, the store's shared
+        KV) or from what requests with the same salt sent; never from another salt's documents, so a salted client
+        cannot use an id to ask whether another client sent that document."""
         if isinstance(item, Chunk):
-            return self.chunks.add(item)
+            return self.chunks.add(item, salt)
         if not isinstance(item, str):
             raise ChunkError(f"a chunk must be a str (text or chunk id), got {type(item).__name__}")
         if looks_like_chunk_id(item):
-            known = self.chunks.get(item)
+            known = self.chunks.get(item, salt) or (self.chunks.get(item) if salt else None)
             if known is not None:
-                return self.chunks.add(known)
+                return self.chunks.add(known, salt)
             text = self.index.text(item)
             if text is not None:
-                return self.chunks.add(make_chunk(text, self.tokenizer))
-            token_ids = self.cache.token_ids(item)
+                return self.chunks.add(make_chunk(text, self.tokenizer), salt)
+            token_ids = self.cache.salted(salt).token_ids(item)  # this salt's own stored KV (a hole it sent)
+            if token_ids is None and salt:
+                token_ids = self.cache.token_ids(item)  # the shared KV the operator ingested
             if token_ids is not None:
-                return self.chunks.add(Chunk(item, self.tokenizer.decode(token_ids.tolist()), token_ids))
+                return self.chunks.add(Chunk(item, self.tokenizer.decode(token_ids.tolist()), token_ids), salt)
             raise ChunkError(f"unknown chunk id {item!r}: not in the KV store and no text given; ingest its text first")
-        return self.chunks.add(make_chunk(item, self.tokenizer))
+        return self.chunks.add(make_chunk(item, self.tokenizer), salt)
 
     def knows(self, chunk_id: str) -> bool:
         """Whether the chunk id resolves: its text was seen by this engine or its KV is stored."""
@@ -452,7 +458,7 @@ class CacheBlendEngine:
         """The request's token layout and the stored chunks placed in it."""
         if request.prompt is not None:
             return self._prompt_request(request.prompt, request.tools)
-        resolved = [self.resolve_chunk(c) for c in request.chunks]
+        resolved = [self.resolve_chunk(c, request.cache_salt) for c in request.chunks]
         prefix, separator, suffix = (request.template or self.template).render(self.tokenizer, request.question,
                                                                                request.history)
         layout = assemble(prefix, [c.token_ids for c in resolved], separator, suffix)

@@ -71,6 +71,18 @@ def api_keys(overrides: Sequence[str] | None = None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+ENV_METRICS_KEY = "CACHEBLEND_RAG_METRICS_KEY"
+
+
+def metrics_key(override: str | None = None) -> str | None:
+    """The operator's key for `serve`'s /metrics (`--metrics-key`, else $CACHEBLEND_RAG_METRICS_KEY); None: unset."""
+    key = override if override is not None else os.environ.get(ENV_METRICS_KEY) or None  # set but empty: unset
+    if key is not None and not key.strip():
+        raise ConfigError("the metrics key is empty (an unset variable in --metrics-key \"$KEY\"?); pass a "
+                          "non-empty key, or none")
+    return key.strip() if key is not None else None
+
+
 ENV_CHROMA_TOKEN = "CACHEBLEND_RAG_CHROMA_TOKEN"
 ENV_CHROMA_SSL = "CACHEBLEND_RAG_CHROMA_SSL"
 ENV_CHROMA_CA = "CACHEBLEND_RAG_CHROMA_CA_BUNDLE"

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .decode.grammar import Grammar, with_json_options
+from .decode.grammar import Grammar, check_schema_depth, with_json_options
 from .errors import ConfigError
 from .tool_format import GENERIC, RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, ToolFormat, result_message
 
@@ -97,12 +97,17 @@ def normalize_choice(choice: str | dict | bool | None, names: Sequence[str]) -> 
 
 def closed(schema: Any) -> Any:
     """A copy of the schema where objects with listed properties allow no others unless they say so (as OpenAI's
-    strict mode does): a small model must not invent extra keys."""
+    strict mode does): a small model must not invent extra keys. GrammarError for one nested past MAX_SCHEMA_DEPTH."""
+    check_schema_depth(schema)
+    return _closed(schema)
+
+
+def _closed(schema: Any) -> Any:
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) for k, v in schema.items()}
+    out = {k: _closed(v) for k, v in schema.items()}
     if out.get("type") == "object" and "additionalProperties" not in out and "properties" in out:
         out["additionalProperties"] = False
     return out

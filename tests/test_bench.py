@@ -532,3 +532,24 @@ def test_bench_faults_grammar_scenarios_end_to_end(musique, tmp_path, capsys):
         assert row["status"] == 200 and row["parses"] and row["finish_reason"] in ("stop", "length"), row
     printed = capsys.readouterr().out
     assert "| schema_bomb |" in printed and "(target ≤ 2×)" in printed
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_faults_privacy_scenarios_find_no_oracle(musique, tmp_path, capsys):
+    from conftest import musique_path
+
+    out = tmp_path / "out"
+    code = cli_main(["bench", "faults", str(musique_path()), "--limit", "1", "--chunks", "2", "--model", "tiny-random",
+                     "--fault-scenarios", "document_oracle,metrics_oracle", "--out", str(out)])
+    assert code == 0
+    privacy = {r["scenario"]: r for r in json.loads((out / "faults.json").read_text())["privacy"]}
+    documents = privacy["document_oracle"]
+    assert documents["a_status"] == 200 and documents["sent_memo"]["status"] == 400, documents
+    assert documents["sent_memo"] == documents["edited_memo"] and not documents["oracle"], documents
+    metrics = privacy["metrics_oracle"]
+    for guess in ("exact", "wrong"):
+        assert metrics[f"client_{guess}"] == {"status": 401, "rise": None}, metrics  # B cannot read the counters
+        assert metrics[f"operator_{guess}"]["status"] == 200 and metrics[f"operator_{guess}"]["rise"] >= 0, metrics
+    assert not metrics["oracle"]
+    assert "| document_oracle |" in capsys.readouterr().out

@@ -161,6 +161,8 @@ def _free_port() -> int:
     (["serve", "--port", "0"], "--port"),
     (["serve", "--max-body-bytes", "lots"], "--max-body-bytes"),
     (["serve", "--header-timeout", "0"], "--header-timeout"),
+    (["serve", "--api-key", "k1", "--metrics-key", "k1"], "--metrics-key"),  # the operator's key is no client's
+    (["serve", "--metrics-key", " "], "--metrics-key"),
 ])
 def test_bad_usage_exits_2_with_one_error_line(tmp_path, argv, words):
     out = _cli(*argv, "--home", str(tmp_path))

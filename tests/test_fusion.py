@@ -122,6 +122,21 @@ def test_known_chunks_are_bounded_and_evicted_ids_still_resolve(tiny):
         CacheBlendEngine(model, tokenizer, max_known_chunks=0)
 
 
+def test_a_chunk_id_resolves_only_under_the_salt_that_sent_its_text(tiny):
+    """#50: an id is no oracle on another client's documents; the shared (ingested) corpus resolves for every salt."""
+    _, model, tokenizer = tiny
+    engine = CacheBlendEngine(model, tokenizer, max_known_chunks=1)
+    shared = engine.ingest(TEXTS[:1], show_progress=False)[0]
+    sent = engine.resolve_chunk(TEXTS[1], "tenant-a").chunk_id
+    engine.prefill([TEXTS[1]], QUESTION, cache_salt="tenant-a")  # stores its KV under the salt
+    engine.resolve_chunk(TEXTS[2], "tenant-a")  # pushes TEXTS[1] out of the one-entry registry
+    assert engine.resolve_chunk(sent, "tenant-a").text == TEXTS[1]  # found again through the salt's stored KV
+    for salt in ("tenant-b", None):
+        with pytest.raises(ChunkError, match="unknown chunk id"):
+            engine.resolve_chunk(sent, salt)
+    assert engine.resolve_chunk(shared, "tenant-b").text == TEXTS[0]
+
+
 def test_gradual_filtering_and_per_chunk_selection(engine):
     full = engine.prefill(TEXTS, QUESTION, method="full_prefill")
     gradual = engine.prefill(TEXTS, QUESTION, "cacheblend", recompute_ratio=0.3, candidate_factor=2,

@@ -85,6 +85,30 @@ def test_a_line_without_spaces_is_split_in_linear_time(tokenizer, monkeypatch):
     assert texts[1].startswith(run[:100]) and texts[-2].endswith(run[-100:])
 
 
+def test_a_long_line_of_words_is_split_with_one_tokenizer_call_per_distinct_word(tokenizer, monkeypatch):
+    """#50: the splitter measured every word of a line up to three times (a tokenizer call each: a 1 MB line of
+    words took 7.5 s); the lengths are now remembered, and the chunks stay langchain's own."""
+    import random
+
+    from langchain_text_splitters import RecursiveCharacterTextSplitter
+
+    from cacheblend_rag.ingest.chunks import normalize_text
+
+    rng = random.Random(0)
+    vocabulary = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(2000)]
+    words = rng.choices(vocabulary, k=20_000)  # ~120 KB, one line, words repeating as in real text
+    line = " ".join(words)
+    plain = RecursiveCharacterTextSplitter.from_huggingface_tokenizer(tokenizer, chunk_size=128, chunk_overlap=16)
+    expected = list(dict.fromkeys(n for n in map(normalize_text, plain.split_text(line)) if n))
+    calls = []
+    tokenize = tokenizer.tokenize
+    monkeypatch.setattr(tokenizer, "tokenize", lambda text, **kw: calls.append(text) or tokenize(text, **kw))
+    records = split_texts([SourceText(line, "line.txt")], tokenizer, chunk_tokens=128, overlap_tokens=16)
+    assert [r.text for r in records] == expected
+    # before: ~3 calls per word (~60,000); now one per distinct piece (" word" and "word" are two)
+    assert len(calls) == len(set(calls)) <= 2 * len(set(words)) + 2, (len(calls), len(set(words)))
+
+
 def test_split_of_ordinary_text_is_langchains(tokenizer):
     from langchain_text_splitters import RecursiveCharacterTextSplitter
 

@@ -49,6 +49,7 @@ def _env() -> dict[str, str]:
                ANONYMIZED_TELEMETRY="False")
     env.pop(settings.ENV_HOME, None)  # --home must be enough
     env.pop(settings.ENV_API_KEY, None)
+    env.pop(settings.ENV_METRICS_KEY, None)
     return env
 
 

@@ -636,6 +636,9 @@ def _shared_tier(args: argparse.Namespace, dataset: Path) -> dict:
         if result["grammar"]:
             tables.append("Grammar defects, one server with its defaults (--max-grammar-bytes 128 KiB, "
                           f"--grammar-timeout 10 s):\n\n{faults.format_grammar(result['grammar'])}")
+        if result["privacy"]:
+            tables.append("What client B learns of client A's requests, one server with keys A and B, "
+                          f"--hide-cache-usage and --metrics-key:\n\n{faults.format_privacy(result['privacy'])}")
         header, table = f"model {args.model}; {machine()}", "\n\n".join(tables)
     else:
         from . import shared_tier

@@ -24,6 +24,14 @@ with its defaults: --max-grammar-bytes 128 KiB, --grammar-timeout 10 s) and get 
                   (pattern `^(a{1000}){1000}$`): 400 for each, and the time to answer
     stop_in_json  a stop string that occurs inside a json_schema-constrained answer: the answer still parses as JSON
 
+Two more probe what one client of a shared server learns about another's requests, against a server of their own
+with two API keys A and B, `--hide-cache-usage` and `--metrics-key` (docs/serve.md, "What a shared server reveals"):
+
+    document_oracle   A sends a memo as a document; B sends the memo's chunk id, and that of an edited memo:
+                      the two answers must be the same (400 "unknown chunk id"), or B learns what A sent
+    metrics_oracle    B reads /metrics around its guess of A's prompt (exact, then wrong): it must get 401; the
+                      operator's key reads it, and the cached-token counter's rise per guess is reported
+
 Per scenario: completed / failed / wrong, per replica. A request *failed* when it got no complete answer (an HTTP
 error, or a stream cut before `finish_reason` and [DONE]). It is *wrong* when its answer differs from the answer
 the same policy gives with the same chunks cached (greedy decoding, so that answer is one string): the replicas
@@ -63,7 +71,8 @@ logger = logging.getLogger(__name__)
 TINY_RANDOM = "tiny-random"
 CLUSTER_SCENARIOS = ("healthy", "redis_kill", "replica_kill", "maxmemory", "flip", "big_body", "slow_headers")
 GRAMMAR_SCENARIOS = ("schema_bomb", "grammar_fails", "stop_in_json")  # one server of their own, no Redis
-SCENARIOS = CLUSTER_SCENARIOS + GRAMMAR_SCENARIOS
+PRIVACY_SCENARIOS = ("document_oracle", "metrics_oracle")  # one server of their own with two keys
+SCENARIOS = CLUSTER_SCENARIOS + GRAMMAR_SCENARIOS + PRIVACY_SCENARIOS
 QUESTION_LIMIT_S = 300.0
 BIG_BODY_BYTES = 256 * 1024**2  # what the big_body client would send if nothing stopped it
 SLOW_CLIENTS = 64  # half-sent requests of slow_headers, split over the replicas
@@ -820,6 +829,113 @@ def format_grammar(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- privacy scenarios: what client B of a shared server learns about client A's requests ------------------------
+
+KEY_A, KEY_B, METRICS_KEY = "faults-client-a", "faults-client-b", "faults-operator"
+MEMO = ("Board memo: the Lyon plant closes on 30 June; its 212 staff move to the Grenoble site, announced to them "
+        "on 2 June.")
+
+
+def _keyed_chat(url: str, model: str, key: str, **extra) -> tuple[int, dict]:
+    """One non-streamed 2-token chat completion under an API key: (status code, JSON body)."""
+    import httpx
+
+    body = {"model": model, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "user", "content": "Which site?"}], **extra}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                          timeout=GRAMMAR_LIMIT_S)
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        return response.status_code, {"raw": response.text[:200]}
+
+
+def document_oracle(server: Replica, model: str) -> dict:
+    """A sends MEMO; B asks for MEMO's chunk id and an edited memo's: B's two answers, and whether they differ."""
+    from cacheblend_rag.ingest.chunks import chunk_id
+
+    sent, _ = _keyed_chat(server.url, model, KEY_A, documents=[MEMO])
+    answers = {}
+    for name, text in (("sent_memo", MEMO), ("edited_memo", MEMO.replace("212", "213"))):
+        cid = chunk_id(text)
+        status, body = _keyed_chat(server.url, model, KEY_B, chunk_ids=[cid])
+        answers[name] = {"status": status,
+                         "message": str((body.get("error") or {}).get("message", "")).replace(cid, "<id>")[:80]}
+    return {"a_status": sent, **answers, "oracle": answers["sent_memo"] != answers["edited_memo"]}
+
+
+def _cached_tokens(url: str, key: str) -> tuple[int, float | None]:
+    """(status of GET /metrics under `key`, cacheblend_cached_prompt_tokens_total or None when unreadable)."""
+    import httpx
+
+    response = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    match = re.search(r"^cacheblend_cached_prompt_tokens_total (\S+)$", response.text, re.MULTILINE)
+    return response.status_code, float(match.group(1)) if response.status_code == 200 and match else None
+
+
+def metrics_oracle(server: Replica, model: str) -> dict:
+    """A sends a chat; B guesses it (exact, then wrong) and reads /metrics around each guess with its own key; the
+    operator's key reads the same counter. B's status codes, and the counter's rise per guess as each key saw it."""
+    prompt = f"{MEMO} Who was told, and when? (metrics probe)"
+    _keyed_chat(server.url, model, KEY_A, messages=[{"role": "user", "content": prompt}])
+    result: dict = {}
+    for guess, content in (("exact", prompt), ("wrong", prompt.replace("212", "213"))):
+        before = {key: _cached_tokens(server.url, key) for key in (KEY_B, METRICS_KEY)}
+        _keyed_chat(server.url, model, KEY_B, messages=[{"role": "user", "content": content}])
+        after = {key: _cached_tokens(server.url, key) for key in (KEY_B, METRICS_KEY)}
+        for who, key in (("client", KEY_B), ("operator", METRICS_KEY)):
+            (status, was), (_, now) = before[key], after[key]
+            result[f"{who}_{guess}"] = {"status": status,
+                                        "rise": None if was is None or now is None else now - was}
+    client_rises = (result["client_exact"]["rise"], result["client_wrong"]["rise"])
+    result["oracle"] = None not in client_rises and client_rises[0] != client_rises[1]
+    return result
+
+
+def run_privacy(scenarios, *, model: str, home: str | None, workdir: Path) -> list[dict]:
+    """The privacy scenarios against one `cacheblend-rag serve` with keys A and B, --hide-cache-usage and
+    --metrics-key; one result per scenario."""
+    from cacheblend_rag import settings
+    from cacheblend_rag.models.loader import model_folder
+    from cacheblend_rag.serve.command import served_name
+
+    if model == TINY_RANDOM:
+        model = str(tiny_random_model(workdir / TINY_RANDOM, home))
+    model_folder(model, home)
+    server_home = workdir / "home-privacy"
+    server_home.mkdir()
+    (server_home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
+    results = []
+    with Replica(server_home, [], "--api-key", KEY_A, "--api-key", KEY_B, "--hide-cache-usage", "--metrics-key",
+                 METRICS_KEY, model=model, name="privacy") as server:
+        for name in scenarios:
+            started = time.monotonic()
+            figures = {"document_oracle": document_oracle, "metrics_oracle": metrics_oracle}[name](
+                server, served_name(model))
+            results.append({"scenario": name, **figures})
+            logger.warning("scenario %s: %.0f s", name, time.monotonic() - started)
+    return results
+
+
+def format_privacy(results: list[dict]) -> str:
+    """The markdown table of the privacy scenarios: one row per probe."""
+    lines = ["| scenario | probe | what client B saw | oracle |", "|---|---|---|---|"]
+    for r in results:
+        oracle = "**yes**" if r["oracle"] else "no"
+        if r["scenario"] == "document_oracle":
+            for case in ("sent_memo", "edited_memo"):
+                row = r[case]
+                lines.append(f"| document_oracle | B sends the chunk id of {case.replace('_', ' ')} | "
+                             f"{row['status']}: {row['message']} | {oracle} |")
+        else:
+            for guess in ("exact", "wrong"):
+                client, operator = r[f"client_{guess}"], r[f"operator_{guess}"]
+                lines.append(f"| metrics_oracle | B's {guess} guess, /metrics read around it | {client['status']}"
+                             f" (rise {client['rise']}); the operator's key: {operator['status']}, cached tokens "
+                             f"+{operator['rise']} | {oracle} |")
+    return "\n".join(lines)
+
+
 def run(items: list[tuple[str, list[str]]], *, model: str, home: str | None, scenarios=SCENARIOS,
         num_requests: int = 24, clients: int = 4, max_tokens: int = 8, seed: int = 0,
         workdir: str | None = None) -> dict:
@@ -829,9 +945,11 @@ def run(items: list[tuple[str, list[str]]], *, model: str, home: str | None, sce
     models = settings.models_dir()
     cluster_scenarios = [n for n in scenarios if n in CLUSTER_SCENARIOS]
     grammar_scenarios = [n for n in scenarios if n in GRAMMAR_SCENARIOS]
+    privacy_scenarios = [n for n in scenarios if n in PRIVACY_SCENARIOS]
     runs: list[Scenario] = []
     refs: dict = {}
     grammar: list[dict] = []
+    privacy: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="cacheblend-faults-", dir=workdir) as tmp:
         if cluster_scenarios:
             cluster = Cluster(Path(tmp), model, home)
@@ -845,6 +963,8 @@ def run(items: list[tuple[str, list[str]]], *, model: str, home: str | None, sce
                 cluster.stop()
         if grammar_scenarios:
             grammar = run_grammar(grammar_scenarios, model=model, home=home, workdir=Path(tmp))
+        if privacy_scenarios:
+            privacy = run_privacy(privacy_scenarios, model=model, home=home, workdir=Path(tmp))
     results = [summarize(s, refs) for s in runs]
-    return {"results": results, "grammar": grammar, "requests": num_requests, "clients": clients,
+    return {"results": results, "grammar": grammar, "privacy": privacy, "requests": num_requests, "clients": clients,
             "max_tokens": max_tokens, "questions": len(items), "chunks": len(items[0][1]) if items else 0}

@@ -28,6 +28,10 @@ KINDS = ("json_schema", "json_object", "lark")
 # max_tokens. `lenient`: schema keywords llguidance does not implement (rare ones, e.g. some `format`s) are
 # ignored rather than failing the request; the parsed output is still valid JSON of the schema's shape.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+# Objects and arrays a schema may nest, counted as JSON nests them (an object property is two: the object and its
+# `properties`); deeper ones are refused before anything walks them recursively (a RecursionError otherwise).
+# Real schemas nest a few levels and share the rest through $defs/$ref.
+MAX_SCHEMA_DEPTH = 128
 
 
 class GrammarError(ConfigError):
@@ -59,6 +63,23 @@ def _llguidance():
     return llguidance
 
 
+def check_schema_depth(schema: Any, what: str = "the JSON schema") -> None:
+    """GrammarError when `schema` nests objects and arrays deeper than MAX_SCHEMA_DEPTH (walked without recursion)."""
+    stack = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"{what} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep (the "
+                               "limit); share repeated parts through $defs and $ref, or flatten it")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def with_json_options(schema: dict[str, Any]) -> dict[str, Any]:
     """The schema with this package's JSON spacing options (`x-guidance`), the caller's own taking precedence."""
     return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
@@ -88,6 +109,7 @@ class Grammar:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from e
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        check_schema_depth(schema)
         return cls("json_schema", json.dumps(schema))  # key order kept: properties are generated in it
 
     @classmethod
@@ -112,9 +134,13 @@ class Grammar:
     def serialized(self) -> str:
         """The grammar as llguidance takes it."""
         llg = _llguidance()
-        if self.kind == "lark":
-            return llg.LLMatcher.grammar_from_lark(self.source)
-        return llg.LLMatcher.grammar_from_json_schema(with_json_options(json.loads(self.source)))
+        try:
+            if self.kind == "lark":
+                return llg.LLMatcher.grammar_from_lark(self.source)
+            return llg.LLMatcher.grammar_from_json_schema(with_json_options(json.loads(self.source)))
+        except ValueError as e:  # llguidance's own: e.g. a bound past 64 bits ("Value is not JSON serializable")
+            raise GrammarError(f"the {self.kind} grammar cannot be used: {first_line(str(e))}; a number in a "
+                               "schema (minItems, maxLength, minimum, ...) must fit in 64 bits") from e
 
 
 # Closing within the token budget: when the tokens left barely suffice to complete the grammar, each step keeps
@@ -186,7 +212,8 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self._ll_tokenizer = None
         self._leads: TokenLeads | None = None
-        self._compiled: OrderedDict[Grammar, Any] = OrderedDict()  # grammar → a matcher that has consumed nothing
+        # grammar → (a matcher that has consumed nothing, its first mask)
+        self._compiled: OrderedDict[Grammar, tuple[Any, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
         self._setup_lock = threading.Lock()  # one build of the tokenizer conversion and the leads, whoever asks first
         self._warming: threading.Thread | None = None
@@ -251,6 +278,10 @@ class GrammarCompiler:
     def compile(self, grammar: Grammar):
         """The compiled matcher of the grammar (its first mask computed), compiled now unless it is kept; GrammarError
         if either fails. Runs on the caller's thread (llguidance drops the GIL while it builds). Copy it to use it."""
+        return self._compile(grammar)[0]
+
+    def _compile(self, grammar: Grammar) -> tuple[Any, torch.Tensor]:
+        """(the compiled matcher, its first mask as llguidance's 32-bit words), kept for the next request."""
         with self._lock:
             kept = self._compiled.get(grammar)
             if kept is not None:
@@ -259,24 +290,27 @@ class GrammarCompiler:
         llg = _llguidance()
         lltok = self.ll_tokenizer()
         matcher = llg.LLMatcher(lltok, grammar.serialized(), log_level=0)  # never raises: errors are its state
+        words = torch.empty(((lltok.vocab_size + 31) // 32,), dtype=torch.int32)
         if not matcher.is_error():  # the first mask: a grammar may compile and still fail here ({"$ref": "#"})
-            words = torch.empty(((lltok.vocab_size + 31) // 32,), dtype=torch.int32)
             matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         with self._lock:
             self.num_compiled += 1
         if matcher.is_error():
             raise GrammarError(f"the {grammar.kind} grammar does not compile: {first_line(matcher.get_error())}")
         with self._lock:
-            self._compiled[grammar] = matcher
+            self._compiled[grammar] = (matcher, words)
             while len(self._compiled) > COMPILED_KEPT:
                 self._compiled.popitem(last=False)
-        return matcher
+        return matcher, words
 
     def state(self, grammar: Grammar) -> GrammarState:
-        """A fresh matcher for one sequence (a copy of the compiled one); GrammarError if it does not compile."""
-        compiled = self.compile(grammar)
+        """A fresh matcher for one sequence (a copy of the compiled one) with the first mask computed at compile
+        time, so the decoding thread never computes it again (a pathological pattern's took 0.3 s of the worker);
+        GrammarError if it does not compile."""
+        compiled, first_words = self._compile(grammar)
         lltok = self.ll_tokenizer()
-        return GrammarState(compiled.deep_copy(), lltok.vocab_size, int(lltok.eos_token), self.leads())
+        return GrammarState(compiled.deep_copy(), lltok.vocab_size, int(lltok.eos_token), self.leads(),
+                            first_words=first_words)
 
     def check(self, grammar: Grammar, token_ids: Sequence[int]) -> tuple[bool, bool]:
         """(whether these generated tokens form a complete match, whether the grammar allows nothing more);
@@ -292,8 +326,11 @@ class GrammarCompiler:
 class GrammarState:
     """One sequence's grammar matcher: the mask of allowed next tokens, and the tokens chosen so far."""
 
-    def __init__(self, matcher, tokenizer_vocab: int, eos: int, leads: TokenLeads | None = None) -> None:
+    def __init__(self, matcher, tokenizer_vocab: int, eos: int, leads: TokenLeads | None = None,
+                 first_words: torch.Tensor | None = None) -> None:
+        """`first_words`: the mask of a matcher that has consumed nothing, as computed when it compiled (read-only)."""
         self.matcher = matcher
+        self._first_words = first_words  # used for the first step, then dropped
         self.eos = eos
         self.leads = leads
         self.scan = StringScan()
@@ -322,7 +359,12 @@ class GrammarState:
     def allowed(self, width: int, matcher=None) -> np.ndarray:
         """(width,) bool over the logits: the tokens the grammar (or `matcher`, a copy of it) allows next (only
         EOS once it is complete); logits wider than the tokenizer's vocabulary (padding rows) are never allowed."""
-        (self.matcher if matcher is None else matcher).unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
+        if self._first_words is not None and matcher is None:  # nothing consumed yet: the compile-time mask
+            self._words.copy_(self._first_words)
+            self._first_words = None
+        else:
+            (self.matcher if matcher is None else matcher).unsafe_compute_mask_ptr(self._words.data_ptr(),
+                                                                                  self._words.numel() * 4)
         # bit i of 32-bit word j is token 32j + i: the words' little-endian bytes unpacked low bit first
         bits = np.unpackbits(self._words.numpy().view(np.uint8), bitorder="little").view(np.bool_)
         out = np.zeros(width, dtype=np.bool_)
@@ -419,6 +461,7 @@ class GrammarState:
 
     def consume(self, token_id: int) -> None:
         """Advance the matcher past the chosen token (EOS ends the text; it is not part of the match)."""
+        self._first_words = None  # the matcher moves on: its masks are computed from here
         if token_id != self.eos:
             self.matcher.consume_token(token_id)
             if self.leads is not None and token_id < len(self.leads.texts):

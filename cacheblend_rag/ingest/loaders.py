@@ -6,7 +6,8 @@ JSON shapes understood:
 - a list of strings, or of objects with `text` (or `content`) and optional `title`;
 - an object with a `documents` / `data` list of the above. JSON Lines: one string or object per line.
 
-HTML is read with BeautifulSoup (visible text, `<title>` as title), PDF with pypdf (the text layer of each page);
+HTML is read as a stream of parser events (the stdlib's HTMLParser, bs4's encoding detection; visible text,
+`<title>` as title): no tree, so it takes ~2x the file in memory whatever the markup. PDF with pypdf (the text layer of each page);
 both are optional (`pip install 'cacheblend-rag[documents]'`).
 
 A file that cannot be used — not valid UTF-8, invalid JSON, empty, unreadable, of an unsupported type, not a
@@ -16,17 +17,19 @@ reason, and the other files are read.
 
 Per-file bounds (memory and work, as parsing costs a multiple of a file's size): any file ≤ 256 MiB; JSON nested
 less deeply than Python's parser allows (~1,000 levels) and a .json ≤ 32 MiB (a .jsonl is parsed a line at a
-time, each line ≤ 32 MiB); HTML ≤ 400,000 tags; a PDF within pypdf's own limits, with ≤ 64 MiB of page content
+time, each line ≤ 32 MiB); HTML ≤ 400,000 tags (parsing time); a PDF within pypdf's own limits, with ≤ 64 MiB of page content
 streams, extracted within 120 s.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
 import stat
+from html.parser import HTMLParser
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,11 +48,10 @@ MAX_FILE_BYTES = 256 * 2**20  # a bigger file is skipped (reading it whole would
 # sharing one compressed stream): a PDF with more content than this, or whose extraction runs longer, is skipped.
 MAX_PDF_CONTENT_BYTES = 64 * 2**20  # a 1,000-page book holds ~10-50 MiB; pypdf extracts ~1-2 MiB/s of it here
 PDF_SECONDS = 120.0
-# Parsed, a file takes a multiple of its size in memory: JSON up to ~20x (a list of empty objects), HTML ~550 bytes
-# per tag in BeautifulSoup's tree (20 MB of tags: ~3 GB). Bigger ones are skipped; JSON Lines are parsed a line
-# at a time, so only each line is bounded.
+# Parsed, a JSON file takes up to ~20x its size in memory (a list of empty objects): bigger ones are skipped; JSON
+# Lines are parsed a line at a time, so only each line is bounded. HTML is parsed without a tree (~2x its size).
 MAX_JSON_BYTES = 32 * 2**20  # ≤ ~700 MB parsed
-MAX_HTML_TAGS = 400_000  # counted as "<" characters; ≤ ~220 MB parsed (a long Wikipedia article has ~100,000)
+MAX_HTML_TAGS = 400_000  # counted as "<" characters: bounds the parsing time (a long Wikipedia article has ~100,000)
 
 
 @dataclass(frozen=True)
@@ -266,23 +268,79 @@ def _parse_json(text: str, where: str = ""):
         raise FileSkipped(f"JSON{where} nested too deeply to parse (Python's parser stops at ~1,000 levels)") from None
 
 
+class _VisibleText(HTMLParser):
+    """The visible text of an HTML page and its first `<title>`, from the parser's events: no tree is built, so the
+    memory is the page's text and one tag's attributes at a time, whatever the markup (BeautifulSoup's tree took
+    ~15x the file for a page of attribute-heavy tags: `<p a0=x … a999=x>`)."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.lines: list[str] = []  # visible text nodes, in order
+        self.title: list[str] | None = None  # the first <title>'s text nodes, once one opened
+        self._node: list[str] = []  # the text node being read (the parser may hand it over in pieces)
+        self._hidden = 0  # depth inside script, style, noscript, template
+        self._in_title = False
+
+    def _flush(self) -> None:
+        if self._node:
+            text = "".join(self._node)
+            self._node = []
+            if self._in_title:
+                self.title.append(text)
+            elif not self._hidden:
+                self.lines.append(text)
+
+    def handle_starttag(self, tag: str, attrs) -> None:
+        self._flush()
+        if tag in _HIDDEN_TAGS:
+            self._hidden += 1
+        elif tag == "title" and self.title is None and not self._hidden:
+            self.title, self._in_title = [], True
+
+    def handle_startendtag(self, tag: str, attrs) -> None:
+        self._flush()  # a void element (<br/>): ends a text node, opens nothing
+
+    def handle_endtag(self, tag: str) -> None:
+        self._flush()
+        if tag in _HIDDEN_TAGS and self._hidden:
+            self._hidden -= 1
+        elif tag == "title":
+            self._in_title = False
+
+    def handle_data(self, data: str) -> None:
+        self._node.append(data)
+
+    def handle_comment(self, data: str) -> None:
+        self._flush()
+
+    def close(self) -> None:
+        """Parse what is left, then end the last text node."""
+        super().close()
+        self._flush()
+
+
+_HIDDEN_TAGS = frozenset({"script", "style", "noscript", "template"})
+
+
 def _html_texts(raw: bytes, source: str, path: Path) -> list[SourceText]:
     try:
-        from bs4 import BeautifulSoup
+        from bs4.dammit import UnicodeDammit
     except ImportError as e:
         raise MissingDependencyError("HTML files need beautifulsoup4: pip install 'cacheblend-rag[documents]'") from e
     tags = raw.count(b"<")
     if tags > MAX_HTML_TAGS:
-        raise FileSkipped(f"HTML with {tags:,} tags (over {MAX_HTML_TAGS:,}: its parse tree would take "
-                          f"~{tags * 550 / 2**20:,.0f} MiB of memory); convert it to text first (e.g. with "
-                          "html2text or pandoc) and ingest the .txt")
-    soup = BeautifulSoup(raw, "html.parser")  # the stdlib parser: no lxml needed; bs4 detects the encoding
-    for tag in soup(["script", "style", "noscript", "template"]):
-        tag.decompose()
-    title = soup.title.get_text(" ", strip=True) if soup.title else path.stem
-    if soup.title:
-        soup.title.decompose()
-    body = "\n".join(line.strip() for line in soup.get_text("\n").splitlines() if line.strip())
+        raise FileSkipped(f"HTML with {tags:,} tags (over {MAX_HTML_TAGS:,}: too costly to parse); convert it to "
+                          "text first (e.g. with html2text or pandoc) and ingest the .txt")
+    markup = UnicodeDammit(raw, is_html=True).unicode_markup  # bs4's encoding detection (a <meta> charset, BOMs)
+    if markup is None:
+        raise FileSkipped("HTML in an encoding that could not be detected; convert it to UTF-8")
+    page = _VisibleText()
+    page.feed(markup)  # one pass, linear in the markup
+    del markup
+    page.close()
+    title = " ".join(t.strip() for t in page.title if t.strip()) if page.title else ""  # as bs4's get_text(" ", strip)
+    title = title or path.stem
+    body = "\n".join(line.strip() for text in page.lines for line in text.splitlines() if line.strip())
     return [SourceText(f"{title}\n{body}" if body else "", source, title)]
 
 
@@ -380,6 +438,11 @@ def iter_loaded(
             logger.debug("skipping %s: %s", f, e)
             skipped.append(SkippedFile(str(f), str(e), e.empty))
             yield f, None
+        except MemoryError:  # beyond the bounds above (a low ulimit): this file is lost, not the folder
+            logger.warning("skipping %s: out of memory while reading it", f)
+            skipped.append(SkippedFile(str(f), "out of memory while reading it; split it into smaller files or "
+                                               "raise the memory limit"))
+            yield f, None
 
 
 def load_paths_report(
@@ -412,6 +475,7 @@ def load_paths(
 _SEPARATORS = ["\n\n", "\n", " "]
 _RUN = re.compile(r"[^ \n]+")
 _LONG_RUN_CHUNKS = 16  # a run of over 16 chunks' worth of characters is cut before the splitter sees it
+_LENGTHS_KEPT = 1 << 16  # token counts of pieces (words, lines) remembered while splitting
 _WINDOW_CHARS = 2**20  # tokenized at a time when cutting a run: bounds the memory of a huge one
 
 
@@ -465,9 +529,11 @@ def split_texts(
         raise MissingDependencyError("splitting needs langchain-text-splitters: pip install 'cacheblend-rag[langchain]'") from e
     if chunk_tokens < 16 or not 0 <= overlap_tokens < chunk_tokens:
         raise ConfigError(f"need chunk_tokens ≥ 16 and 0 ≤ overlap < chunk_tokens, got {chunk_tokens}, {overlap_tokens}")
-    splitter = RecursiveCharacterTextSplitter.from_huggingface_tokenizer(
-        tokenizer, chunk_size=chunk_tokens, chunk_overlap=overlap_tokens, separators=_SEPARATORS
-    )
+    # the splitter measures each word (or line) up to three times, each a tokenizer call (~8 µs, most of a split's
+    # time): the same lengths as from_huggingface_tokenizer's, remembered, so a repeated word costs one look-up
+    token_count = functools.lru_cache(maxsize=_LENGTHS_KEPT)(lambda text: len(tokenizer.tokenize(text)))
+    splitter = RecursiveCharacterTextSplitter(chunk_size=chunk_tokens, chunk_overlap=overlap_tokens,
+                                              separators=_SEPARATORS, length_function=token_count)
 
     def cut(piece: str) -> list[str]:  # a piece the splitter could not split (no separator in it) may be too long
         if any(sep in piece.strip() for sep in _SEPARATORS) or \

@@ -59,7 +59,9 @@ PARSE_WORKERS = 2
 class ServeConfig:
     """Settings of one server."""
 
-    model_name: str  # the name clients send as `model`
+    model_name: str  # the name clients send as `model`, listed by /v1/models
+    # other names a request's `model` may say: the --model argument as given (a folder path), as vLLM answers to it
+    model_aliases: tuple[str, ...] = ()
     # when set, every route but /health needs `Authorization: Bearer <one of them>`; each key is a cache namespace
     # of its own (its requests' salt), so clients with different keys never share cached prompts
     api_keys: tuple[str, ...] = ()
@@ -80,6 +82,11 @@ class ServeConfig:
     # answer `usage` without cache facts (cached tokens, the `cacheblend` stats): on a server shared by clients who
     # must not learn what the others sent (docs/serve.md, "What a shared server reveals")
     hide_cache_usage: bool = False
+    # the operator's key for /metrics, which then needs it (the clients' keys get 401 there) and opens nothing else:
+    # the counters sum every client's cached tokens, so a client reading them around its own request learns whether
+    # another client sent the same prompt. Without it /metrics is open to every API key, and off (403) under
+    # `hide_cache_usage`
+    metrics_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -100,6 +107,11 @@ class ServeConfig:
             raise ConfigError(f"max_grammar_bytes must be ≥ 1024, got {self.max_grammar_bytes}")
         if not self.grammar_timeout_s > 0:
             raise ConfigError(f"grammar_timeout_s must be > 0 seconds, got {self.grammar_timeout_s}")
+        if self.metrics_key is not None and (not isinstance(self.metrics_key, str) or not self.metrics_key):
+            raise ConfigError(f"metrics_key must be a non-empty string or None, got {self.metrics_key!r}")
+        if self.metrics_key is not None and self.metrics_key in self.api_keys:
+            raise ConfigError("the metrics key is also an API key: give the operator a key that no client has "
+                              "(--metrics-key)")
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
             raise ConfigError(f"the header and body timeouts must be > 0 seconds, got {self.header_timeout_s} and "
                               f"{self.body_timeout_s}")
@@ -288,8 +300,12 @@ class _Server:
         self._check_model(body)
         return body, self.completion_call(body, request_salt(key_namespace, body.cache_salt))
 
+    def serves(self, model: str) -> bool:
+        """Whether `model` names the served model: its name or one of its aliases."""
+        return model == self.config.model_name or model in self.config.model_aliases
+
     def _check_model(self, body: _Generation) -> None:
-        if body.model != self.config.model_name:
+        if not self.serves(body.model):
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                            f"{self.config.model_name!r} (GET /v1/models)", code="model_not_found")
 
@@ -621,6 +637,10 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if config.hide_cache_usage and config.metrics_key is None:
+            raise APIError(403, "/metrics is off under --hide-cache-usage: its counters would tell a client what the "
+                           "others sent; give the operator a key of its own with --metrics-key",
+                           "permission_error", "metrics_disabled")
         return Response(server.metrics.render(), media_type=server.metrics.content_type)
 
     @app.get("/v1/models")
@@ -629,7 +649,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict:
-        if model != config.model_name:
+        if not server.serves(model):
             raise APIError(404, f"the model {model!r} does not exist", code="model_not_found")
         return server.model_card()
 
@@ -649,7 +669,8 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         return APIError(status, message, code=code, headers=headers).response()
 
     # the guard checks the key and reads the body before any route (or FastAPI's JSON parsing) runs
-    app.add_middleware(RequestGuard, api_keys=config.api_keys, open_paths=frozenset({"/health"}),
+    path_keys = {"/metrics": (config.metrics_key,)} if config.metrics_key is not None else {}
+    app.add_middleware(RequestGuard, api_keys=config.api_keys, open_paths=frozenset({"/health"}), path_keys=path_keys,
                        max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s, refuse=refuse)
     routes = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
     app.add_middleware(_CountRequests, metrics=server.metrics, routes=routes)  # added last: outermost, counts all

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", help="branch, tag or commit of a hub id (default: main)")
     p.add_argument("--trust-remote-code", action="store_true", help="run a hub repo's own modelling code (off by "
                    "default: it is code from the repo's authors)")
-    p.add_argument("--served-model-name", help="the name clients send as `model` (default: --model, or the "
-                   "folder's name for a path)")
+    p.add_argument("--served-model-name", help="the name clients send as `model`, the only one (default: the "
+                   "--model argument as given, or for a path also the folder's name, which /v1/models lists)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--max-queue", type=int, default=16, help="requests that may wait for the engine; more get "
@@ -63,7 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 10)")
     p.add_argument("--hide-cache-usage", action="store_true",
                    help="answer `usage` without cache facts (cached tokens, the `cacheblend` stats), so clients of a "
-                        "shared server cannot tell what the others sent (docs/serve.md)")
+                        "shared server cannot tell what the others sent; /metrics is then off unless --metrics-key "
+                        "is given (docs/serve.md, \"What a shared server reveals\")")
+    p.add_argument("--metrics-key", metavar="KEY",
+                   help=f"the operator's key for /metrics (`Authorization: Bearer KEY`); the clients' --api-key keys "
+                        f"then get 401 there, since its counters sum every client's cache hits "
+                        f"(default ${settings.ENV_METRICS_KEY}; unset: /metrics takes the API keys, or is off under "
+                        f"--hide-cache-usage)")
     p.add_argument("-v", "--verbose", action="store_true", help="log INFO messages and every request to stderr")
 
 
@@ -95,13 +101,21 @@ def _size(text: str) -> int:
 
 
 def served_name(model: str, override: str | None = None) -> str:
-    """The model name the server answers to."""
+    """The model name the server lists (/v1/models) and answers with."""
     if override:
         return override
     path = Path(model).expanduser()
     if model in PACKAGED_GGUF or (not path.exists() and is_hub_id(model)):
         return model  # an alias or a hub id is already the name clients know
     return path.name
+
+
+def served_aliases(model: str, override: str | None = None) -> tuple[str, ...]:
+    """Other names a request's `model` may say: the --model argument as given, as vLLM serves it, unless
+    --served-model-name replaces it."""
+    if override or model == served_name(model):
+        return ()
+    return (model,)
 
 
 def _is_loopback(host: str) -> bool:
@@ -124,6 +138,8 @@ def run_cli(args: argparse.Namespace) -> int:
     from ..store import open_store
 
     config = ServeConfig(model_name=served_name(args.model, args.served_model_name),
+                         model_aliases=served_aliases(args.model, args.served_model_name),
+                         metrics_key=settings.metrics_key(args.metrics_key),
                          api_keys=settings.api_keys(args.api_key), max_queue=args.max_queue, timeout_s=args.timeout,
                          default_max_tokens=args.max_tokens, max_batch=args.max_batch, home=args.home,
                          chroma_host=args.chroma_host, chroma_port=args.chroma_port,

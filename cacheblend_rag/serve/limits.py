@@ -16,7 +16,7 @@ import email.message
 import hashlib
 import hmac
 import json
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import PromptTooLongError
@@ -101,12 +101,15 @@ async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
 class RequestGuard:
     """ASGI middleware in front of the routes: the API key is checked from the headers (401 without reading the
     body), then the body is read whole, at most `max_body_bytes` (413) and within `body_timeout_s` (408), and
-    handed to the app. `open_paths` need no key. The routes read the key's cache namespace as
-    `request.state.key_namespace` (None without keys, or on an open path)."""
+    handed to the app. `open_paths` need no key; a path in `path_keys` needs one of its own keys instead of the API
+    keys (/metrics under --metrics-key). The routes read the key's cache namespace as `request.state.key_namespace`
+    (None without keys, or on an open path or a path with keys of its own)."""
 
     def __init__(self, app, *, api_keys: tuple[str, ...], open_paths: frozenset[str], max_body_bytes: int,
-                 body_timeout_s: float, refuse: Refusal) -> None:
+                 body_timeout_s: float, refuse: Refusal,
+                 path_keys: Mapping[str, tuple[str, ...]] | None = None) -> None:
         self.app, self.api_keys, self.open_paths = app, api_keys, open_paths
+        self.path_keys = dict(path_keys or {})
         self.max_body_bytes, self.body_timeout_s, self.refuse = max_body_bytes, body_timeout_s, refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -114,11 +117,21 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         headers = scope["headers"]
         close = {"Connection": "close"}  # the body is left unread: the connection cannot carry another request
-        key = matching_key(headers, self.api_keys) if self.api_keys and scope["path"] not in self.open_paths else None
-        if self.api_keys and scope["path"] not in self.open_paths and key is None:
-            response = self.refuse(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
-                                   "invalid_api_key", {**close, "WWW-Authenticate": "Bearer"})
-            return await response(scope, receive, send)
+        own_keys = self.path_keys.get(scope["path"])
+        if own_keys is not None:  # the operator's path: its own key, never a client's (which names no namespace here)
+            if matching_key(headers, own_keys) is None:
+                response = self.refuse(401, f"{scope['path']} needs the operator's key (--metrics-key), not a "
+                                       "client's: send `Authorization: Bearer <that key>`", "invalid_api_key",
+                                       {**close, "WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+            key = None
+        else:
+            key = matching_key(headers, self.api_keys) if self.api_keys and scope["path"] not in self.open_paths \
+                else None
+            if self.api_keys and scope["path"] not in self.open_paths and key is None:
+                response = self.refuse(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                                       "invalid_api_key", {**close, "WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
         # the request's own state (Starlette's `request.state`): set for every request, so a route never probes it
         scope.setdefault("state", {})["key_namespace"] = key_namespace(key) if key is not None else None
         declared = _content_length(headers)

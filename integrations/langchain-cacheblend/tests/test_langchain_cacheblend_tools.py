@@ -286,3 +286,29 @@ def test_binding_tools_starts_the_grammar_warm_up_and_never_loads_a_model(monkey
     lazy = ChatCacheBlend(model="smollm2-135m")
     lazy.bind_tools([Person])
     assert lazy.engine is None
+
+
+def _nested(depth: int) -> dict:
+    """An object schema `depth` objects deep."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return {"title": "Deep", **schema}
+
+
+def test_a_schema_nested_too_deep_or_a_bound_past_64_bits_is_a_clear_error(chat):
+    """#50: before, a schema 300 objects deep raised RecursionError in tools.closed(), and a bound of 10**20 got
+    llguidance's bare ValueError ("Value is not JSON serializable")."""
+    from cacheblend_rag.errors import ConfigError
+
+    deep = _nested(300)
+    response_format = {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep}}
+    with pytest.raises(ConfigError, match="more than 128 levels deep"):
+        chat.bind(response_format=response_format).invoke("Hi")
+    with pytest.raises(ConfigError, match="more than 128 levels deep"):
+        chat.with_structured_output(deep).invoke("Hi")
+    huge = {"title": "Huge", "type": "object", "properties": {"a": {"type": "array", "minItems": 10**20}}}
+    with pytest.raises(ConfigError, match="must fit in 64 bits"):
+        chat.with_structured_output(huge).invoke("Hi")
+    # a schema 20 objects deep (41 levels) still compiles and decodes (64 tokens may cut its answer)
+    assert isinstance(chat.with_structured_output(_nested(20), include_raw=True).invoke("Hi")["raw"], AIMessage)
