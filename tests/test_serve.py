@@ -163,6 +163,14 @@ def test_documents_are_cached_and_reported_as_cached_tokens(client):
     assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
     assert second.usage.prompt_tokens_details.cached_tokens == stats["reused_tokens"] + stats["exact_cached_tokens"]
     assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    # no ratio named: the model's own (the fidelity gate's decision shipped for SmolLM2), and the usage says so
+    from cacheblend_rag import gate
+
+    decision = gate.find("", MODEL)
+    assert stats["fidelity"] == decision.stats() and stats["recompute_ratio"] == decision.ratio
+    named = _chat(client, extra_body={"documents": docs, "cacheblend": {"recompute_ratio": 0.15}})
+    assert named.usage.model_extra["cacheblend"]["recompute_ratio"] == 0.15
+    assert "fidelity" not in named.usage.model_extra["cacheblend"]
 
 
 def _documents_prompt(tokenizer, docs: list[str], messages: list[dict]) -> list[int]:

@@ -240,6 +240,8 @@ def _usage(stats: dict, job: Job, ttft_s: float | None) -> dict:
     }
     if "num_retrieved" in stats:
         cacheblend["num_retrieved"] = stats["num_retrieved"]
+    if stats.get("fidelity") is not None:  # the model's calibrated ratio ran (the fidelity gate)
+        cacheblend["fidelity"] = stats["fidelity"]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}, "cacheblend": cacheblend}
 
