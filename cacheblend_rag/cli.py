@@ -58,17 +58,19 @@ def policy_option(text: str) -> tuple[str, object]:
 
 
 def ratio_arg(text: str) -> float:
-    """`--ratio`: a fraction in [0, 1], checked by the policies' own `check_ratio`."""
-    from .fuse.policies import check_ratio  # lazily: it brings torch
+    """`--ratio`: a fraction in [0, 1], refused at parse time by the default method's own constructor (the one
+    check of a recompute ratio), so a bad one is a usage error before the model loads."""
+    from .fuse.policies import DEFAULT_METHOD, make_policy  # lazily: it brings torch
 
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction in [0, 1]") from None
     try:
-        return check_ratio(value)
-    except ConfigError:
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}") from None
+        make_policy(DEFAULT_METHOD, value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"{e} (a fraction of the reused tokens)") from None
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
