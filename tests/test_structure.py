@@ -490,3 +490,23 @@ def test_no_policy_imports_another():
                 if (other & own) - {mine}:
                     found.append(f"{name}:{node.lineno} imports {sorted((other & own) - {mine})}")
     assert not found, "\n".join(found)
+
+
+# ---- the engine's own surface: four request methods (and `advance`); conveniences live in their own module ----
+
+def test_the_engine_runs_requests_through_four_methods():
+    """The engine class body defines the four `*_request` methods and `advance`; the one-line conveniences
+    (`generate`, `stream`, ..., `*_prompt`) are inherited from `conveniences.py`, prompt matching is
+    `fuse/prompt_match.py`'s, and no module global holds request state (`global` statements)."""
+    from cacheblend_rag.conveniences import RequestConveniences
+
+    tree = ast.parse((REPO / TOP / "engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheBlendEngine")
+    own = {n.name for n in engine.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    conveniences = {name for name in vars(RequestConveniences) if not name.startswith("_")}
+    surface = {name for name in own if name.endswith("_request") and not name.startswith("_")} | (
+        own & (conveniences | {"advance"}))
+    assert surface == {"prefill_request", "generate_request", "stream_request", "start_request", "advance"}
+    assert len(surface) <= 6
+    assert not own & {"_prompt_request", "_prompt_text"}, "prompt matching is fuse/prompt_match.py's"
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], "engine state held in a module global"
