@@ -98,7 +98,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _calibrate_alpha(args: argparse.Namespace, target: float) -> int:
     from ..datasets import load_dataset, passages_of, resolve_dataset
     from ..engine import CacheBlendEngine
-    from ..fuse.policies.cachecraft import ALPHAS, calibrate, store_calibration
+    from ..cachecraft_calibration import ALPHAS, calibrate, store_calibration
 
     if args.limit < 1 or args.chunks < 2:
         raise ConfigError("--limit must be ≥ 1 and --chunks ≥ 2")
