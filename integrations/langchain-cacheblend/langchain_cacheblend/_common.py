@@ -9,7 +9,7 @@ from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import all_option_names, check_not_options, make_policy
+from cacheblend_rag.fuse.policies import all_option_names, check_not_options
 from cacheblend_rag.models.loader import DEFAULT_MODEL
 from cacheblend_rag.request import DEFAULT_METHOD, call_keywords, default_policy
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
