@@ -9,6 +9,7 @@ import math
 from ..errors import ConfigError
 from .common import add_model_run_arguments, check_device, model_options
 
+
 def add_calibrate(subparsers) -> None:
     p = subparsers.add_parser(
         "calibrate", help="measure the recompute ratio that keeps full prefill's answers on this model (stored)",

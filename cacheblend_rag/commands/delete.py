@@ -8,6 +8,7 @@ import sys
 
 from .common import add_data_arguments, engine_and_store
 
+
 def add_delete(subparsers) -> None:
     p = subparsers.add_parser("delete", help="remove the chunks (and KV) of files or folders from the corpus",
                               description="Delete the Chroma records that came from these files (or from any file "

@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from .common import (MAX_LISTED, add_data_arguments, check_device, chunk_tokens_arg, engine_and_store, open_engine,
                      print_skipped, shown)
 
+
 def add_ingest(subparsers) -> None:
     p = subparsers.add_parser("ingest", help="embed files into Chroma and precompute their chunks' KV",
                               description="Load .txt/.md/.json/.jsonl/.html/.pdf files or folders, split them into "

@@ -11,8 +11,6 @@ from ..arguments import parse_size, positive_int
 from ..errors import ConfigError
 from .common import DEFAULT_MEMORY_BUDGET, add_model_arguments, chunk_tokens_arg, model_options, print_skipped
 
-# ---- plan ---------------------------------------------------------------------------------
-
 PLAN_CODECS = ("fp16", "int8", "cachegen")
 MAX_PLAN_TOKENS = 10**15  # ~10x the text of the whole public web: a larger --tokens is a typo
 

@@ -8,6 +8,7 @@ import json
 from .. import settings
 from .common import add_model_run_arguments, check_device, model_options
 
+
 def add_profile(subparsers) -> None:
     p = subparsers.add_parser("profile", help="measure (once) and print the compute and storage profiles",
                               description="Per-layer recompute time and read throughput of each storage tier, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .common import add_kv_store_argument
 
+
 def add_serve(subparsers) -> None:
     from ..serve.command import add_arguments, run_cli
 
