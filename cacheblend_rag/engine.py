@@ -278,7 +278,7 @@ class CacheBlendEngine(RequestConveniences):
     def count_prompt_tokens(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> int:
         """Tokens of a whole prompt (a string, or chat messages rendered with the chat template, listing `tools`),
         as the prefill will tokenize it."""
-        text, add_special_tokens = self._prompt_text(prompt, tools)
+        text, add_special_tokens = prompt_text(self.tokenizer, prompt, tools, model_name=self.model_name)
         return len(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     @property
