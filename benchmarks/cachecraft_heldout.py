@@ -23,7 +23,7 @@ import torch
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.datasets import passages_of
 from cacheblend_rag.fuse.fidelity import first_token_kl
-from cacheblend_rag.fuse.policies.cachecraft.equations import _requests
+from cacheblend_rag.cachecraft_calibration import _requests
 
 p = argparse.ArgumentParser()
 p.add_argument("--data", required=True, help="MuSiQue-style JSON of held-out questions")

@@ -13,7 +13,6 @@ import logging
 import os
 import threading
 import time
-import unicodedata
 import weakref
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -26,18 +25,20 @@ from .decode.generate import SamplingOptions, decode
 from .decode.grammar import GrammarCompiler
 from .decode.kv_decode import KVDecoder, KVSequence, kv_decode
 from .decode.stream import answer_streamer, stream_decode
+from .conveniences import RequestConveniences
 from .decode.text import Answer
 from . import gate as fidelity_gate
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
-from .fuse.layout import PromptTemplate, align_chunk, assemble, prompt_layout
+from .fuse.layout import PromptTemplate, assemble
 from .fuse.placement import Placements
 from .fuse.policies import VARIANT_POLICIES
-from .fuse.policy import FusionRequest, Policy
+from .fuse.policy import FusionRequest
 from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_pending
+from .fuse.prompt_match import NoMatchWarning, prompt_request, prompt_text
 from .fuse.sequence import FusedSequence
 from .ingest.chunks import Chunk, chunk_id, looks_like_chunk_id, make_chunk
-from .ingest.index import ChunkIndex, normalize_prompt_map
+from .ingest.index import ChunkIndex
 from .ingest.learner import PassageLearner
 from .ingest.neighbors import NEIGHBOR_QUESTION, Embed, default_embed, nearest_neighbors
 from .ingest.registry import ChunkRegistry
@@ -60,8 +61,6 @@ LEAD_INS = ("prefix", "bos", "none")
 DECODERS = ("kv", "hf")
 CHUNK_INDEX_FILE = "chunk-index.sqlite"  # beside the disk tier's entries: chunk texts by id, for prompt matching
 DEFAULT_PREFIX_BYTES = 1024**3  # the stored prefixes' own memory tier (a 3.7k-token SmolLM2 turn: ≈ 85 MB bf16)
-_CONTEXT_CHARS = 1500  # a prompt this long with no stored chunk in it probably carries context we missed
-_warned_no_match = False
 
 __all__ = ["CacheBlendEngine", "Generation", "Prefill", "Request", "RequestStats", "SamplingOptions"]
 
@@ -89,13 +88,17 @@ def _check_kv_codec(kv_codec: str, kv_store: object) -> None:
                           "DiskStore(root, codec=...) and pass that store")
 
 
-class CacheBlendEngine:
+class CacheBlendEngine(RequestConveniences):
     """A local generator that reuses chunk KV caches, by any method of the policy registry: relevance (the
     default), cacheblend, cachecraft, full_reuse, prefix_cache or full_prefill.
 
     >>> engine = CacheBlendEngine.from_pretrained("smollm2-135m", kv_store=None)  # doctest: +SKIP
     >>> ids = engine.ingest(["Lyon sits where the Rhône meets the Saône."])      # doctest: +SKIP
     >>> engine.generate(ids, "Which rivers meet in Lyon?", max_new_tokens=8).text  # doctest: +SKIP
+
+    Its own request surface is `prefill_request`, `generate_request`, `stream_request` and `start_request` (a
+    `Request`), and `advance` (batched decoding); `generate`, `stream`, `start`, `prefill` and their `*_prompt`
+    twins are one-line conveniences over them (`conveniences.RequestConveniences`).
     """
 
     def __init__(
@@ -150,6 +153,7 @@ class CacheBlendEngine:
                                 prefetch_depth, prefix_block=PREFIX_BLOCK if prefix_reuse else 0,
                                 prefix_store=prefixes)
         self._warned_keep = False
+        self._no_match_warning = NoMatchWarning()  # said once per engine (fuse/prompt_match.py)
         self.quality_floor = quality_floor  # r*: recompute_ratio="auto" never goes below it
         self.home = home
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
@@ -274,7 +278,7 @@ class CacheBlendEngine:
     def count_prompt_tokens(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> int:
         """Tokens of a whole prompt (a string, or chat messages rendered with the chat template, listing `tools`),
         as the prefill will tokenize it."""
-        text, add_special_tokens = self._prompt_text(prompt, tools)
+        text, add_special_tokens = prompt_text(self.tokenizer, prompt, tools, model_name=self.model_name)
         return len(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     @property
@@ -457,7 +461,9 @@ class CacheBlendEngine:
     def _fusion_request(self, request: Request) -> FusionRequest:
         """The request's token layout and the stored chunks placed in it."""
         if request.prompt is not None:
-            return self._prompt_request(request.prompt, request.tools)
+            return prompt_request(self.tokenizer, self.index, self.resolve_chunk, request.prompt, request.tools,
+                                  context_window=self.context_window, model_name=self.model_name,
+                                  no_match=self._no_match_warning)
         resolved = [self.resolve_chunk(c, request.cache_salt) for c in request.chunks]
         prefix, separator, suffix = (request.template or self.template).render(self.tokenizer, request.question,
                                                                                request.history)
@@ -469,60 +475,6 @@ class CacheBlendEngine:
                 f"{self.context_window} tokens; pass fewer or shorter chunks"
             )
         return FusionRequest(resolved, layout)
-
-    def prefill(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = DEFAULT_METHOD,
-                recompute_ratio: float | str | None = None, *, store_holes: bool = True, **options) -> Prefill:
-        """Fused prefill of [prefix][chunks][question]; `method` names the token-selection policy. Keywords as
-        `Request.of` (the policy's options, `history=` earlier turns, `template=`); holes as `prefill_request`."""
-        return self.prefill_request(Request.of(chunks, question, method, recompute_ratio, **options),
-                                    store_holes=store_holes)
-
-    def prefill_prompt(self, prompt: Prompt, method: str | Policy = DEFAULT_METHOD,
-                       recompute_ratio: float | str | None = None, *, store_holes: bool = True, **options) -> Prefill:
-        """Fused prefill of any prompt (a string, tokenized as is, or chat messages, rendered with the model's chat
-        template): every ingested chunk whose text appears in it verbatim is fused from its cached KV; the text
-        around the chunks is computed."""
-        return self.prefill_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
-                                               **options), store_holes=store_holes)
-
-    def _prompt_request(self, prompt: str | Sequence[dict], tools: Sequence[dict] | None = None) -> FusionRequest:
-        """The prompt tokenized once, as the model would tokenize it, and the stored chunks found in it, each
-        placed where the prompt's own tokens reproduce its stored tokens (edge tokens merged with the text around
-        a chunk are computed)."""
-        text, add_special_tokens = self._prompt_text(prompt, tools)
-        if not self.tokenizer.is_fast:
-            raise ConfigError(f"{self.model_name}'s tokenizer is not a fast tokenizer: prompts need its character "
-                              "offsets to find stored chunks; load the model's tokenizer.json (use_fast=True)")
-        encoded = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-        ids, offsets = list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
-        if len(ids) > self.context_window:
-            raise PromptTooLongError(f"prompt of {len(ids)} tokens exceeds the model's context window of "
-                                     f"{self.context_window} tokens; shorten it or retrieve fewer chunks")
-        normalized, raw_index = normalize_prompt_map(text)
-        scan = self.index.scan(normalized)
-        if not scan.matches and len(text) >= _CONTEXT_CHARS and len(self.index):
-            _warn_no_match(scan.changed)
-        chunks, rows = [], []
-        for m in scan.matches:
-            chunk = self.resolve_chunk(m.chunk_id)
-            found = align_chunk(ids, offsets, raw_index[m.start], raw_index[m.end - 1] + 1, chunk.token_ids.tolist())
-            if found is not None:
-                row, start, stop = found
-                chunks.append(chunk.part(start, stop))
-                rows.append((row, stop - start))
-        return FusionRequest(chunks, prompt_layout(ids, rows))
-
-    def _prompt_text(self, prompt: str | Sequence[dict], tools: Sequence[dict] | None = None) -> tuple[str, bool]:
-        """(the prompt's text in NFC, whether the tokenizer adds its special tokens: for a string, as
-        `tokenizer(prompt)` does; chat messages are rendered by the chat template, which writes its own, and
-        lists `tools` when given: a template with its own tool format)."""
-        if isinstance(prompt, str):
-            return unicodedata.normalize("NFC", prompt), True
-        if not self.has_chat_template:
-            raise ConfigError(f"{self.model_name} has no chat template; pass the prompt as a string")
-        text = self.tokenizer.apply_chat_template(list(prompt), tools=list(tools) if tools else None, tokenize=False,
-                                                  add_generation_prompt=True)
-        return unicodedata.normalize("NFC", text), False
 
     @property
     def controller(self) -> LoadingController:
@@ -560,7 +512,8 @@ class CacheBlendEngine:
         decoding's (`finish_reason` and `grammar_satisfied` included). Stopping the iteration (or closing the
         generator) stops decoding at the next token."""
         if request.prompt is not None:
-            self._prompt_text(request.prompt, request.tools)  # a chat prompt needs a chat template: fail here, not at next()
+            # a chat prompt needs a chat template: fail here, not at next()
+            prompt_text(self.tokenizer, request.prompt, request.tools, model_name=self.model_name)
         sampling = request.sampling
         cache = self.cache.salted(request.cache_salt)
         return stream_decode(lambda: self._decodable(request),
@@ -576,43 +529,6 @@ class CacheBlendEngine:
                                             first_logits=pre.logits)
             self._sequence_caches[seq] = self.cache.salted(request.cache_salt)
         return seq, pre.stats
-
-    def generate(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = DEFAULT_METHOD,
-                 recompute_ratio: float | str | None = None, **options) -> Generation:
-        """Fused prefill, then decode: greedy by default. Keywords as `Request.of`: `max_new_tokens` (or
-        `max_tokens`), `temperature`, `top_p`, `stop`, `seed`, `grammar` or one `sampling=`; the policy's options;
-        `history=` (the conversation's earlier turns), `template=`."""
-        return self.generate_request(Request.of(chunks, question, method, recompute_ratio, **options))
-
-    def stream(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = DEFAULT_METHOD,
-               recompute_ratio: float | str | None = None, *, stats: dict | None = None,
-               **options) -> Generator[str, None, None]:
-        """`generate`, yielding text pieces as they are decoded (see `stream_request`)."""
-        return self.stream_request(Request.of(chunks, question, method, recompute_ratio, **options), stats)
-
-    def start(self, chunks: str | Sequence[str | Chunk], question: str, method: str | Policy = DEFAULT_METHOD,
-              recompute_ratio: float | str | None = None, **options) -> tuple[KVSequence, RequestStats]:
-        """`generate`'s prefill, then a sequence to decode with `advance` (see `start_request`)."""
-        return self.start_request(Request.of(chunks, question, method, recompute_ratio, **options))
-
-    def generate_prompt(self, prompt: Prompt, method: str | Policy = DEFAULT_METHOD,
-                        recompute_ratio: float | str | None = None, **options) -> Generation:
-        """`generate` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
-        return self.generate_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
-                                                **options))
-
-    def stream_prompt(self, prompt: Prompt, method: str | Policy = DEFAULT_METHOD,
-                      recompute_ratio: float | str | None = None, *, stats: dict | None = None,
-                      **options) -> Generator[str, None, None]:
-        """`stream` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
-        return self.stream_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
-                                              **options), stats)
-
-    def start_prompt(self, prompt: Prompt, method: str | Policy = DEFAULT_METHOD,
-                     recompute_ratio: float | str | None = None, **options) -> tuple[KVSequence, RequestStats]:
-        """`start` for any prompt (a string or chat messages): the stored chunks found in it are reused."""
-        return self.start_request(Request.of(prompt=prompt, method=method, recompute_ratio=recompute_ratio,
-                                             **options))
 
     def advance(self, sequences: Sequence[KVSequence]) -> list[str]:
         """One decode step for every sequence at once (each must be unfinished): the text piece each hands out
@@ -687,18 +603,3 @@ class CacheBlendEngine:
                 with torch.inference_mode():
                     store_pending(self.cache.salted(request.cache_salt), pre)
 
-
-def _warn_no_match(changed: list[str]) -> None:
-    """Say once per process why a prompt that seems to carry retrieved context reused nothing."""
-    global _warned_no_match
-    if _warned_no_match:
-        return
-    _warned_no_match = True
-    if changed:
-        logger.warning("no stored chunk matched this prompt: %d ingested chunk(s) start here but their text then "
-                       "differs (edited or truncated after ingestion?), e.g. %s; re-ingest the changed documents "
-                       "(said once)", len(changed), changed[0])
-    else:
-        logger.warning("no stored chunk matched this prompt, which seems to carry retrieved context: no ingested "
-                       "chunk's text appears in it verbatim, so no KV is reused: ingest the documents your retriever returns (engine.ingest or "
-                       "`cacheblend-rag ingest`) and pass their text unchanged (said once)")

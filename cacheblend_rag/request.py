@@ -24,7 +24,7 @@ from .ingest.chunks import Chunk
 
 Prompt = str | Sequence[dict]  # a text prompt, or chat messages [{"role": ..., "content": ...}, ...]
 
-__all__ = ["DEFAULT_METHOD", "DEFAULT_RECOMPUTE_RATIO", "Prompt", "Request", "call_keywords"]
+__all__ = ["DEFAULT_METHOD", "DEFAULT_RECOMPUTE_RATIO", "Prompt", "Request", "call_keywords", "default_policy"]
 
 DEFAULT_RECOMPUTE_RATIO: float = POLICIES[DEFAULT_METHOD].recompute_ratio
 """The recompute ratio every surface defaults to: the default method's field default, defined there alone."""
@@ -118,6 +118,16 @@ def call_keywords(call: Mapping[str, Any], *, method: str, recompute_ratio: floa
         max_new_tokens=call.get("max_new_tokens", call.get("max_tokens", max_new_tokens)),
         **sampling,
     )
+
+
+def default_policy(method: str, recompute_ratio: float | None, policy_options: Mapping[str, Any]) -> Policy:
+    """The policy a surface's defaults (an LLM object's fields) make, built once when the surface is: the method's
+    name, its ratio and its options are checked there, by the registry and the policy's own constructor, and by
+    nothing else (a ConfigError is a ValueError: pydantic reports it as a ValidationError). A ratio in the options
+    is the field's when the field names none, as a call merges them (`call_keywords`)."""
+    options = dict(policy_options)
+    ratio = options.pop("recompute_ratio", None)
+    return make_policy(method, ratio if recompute_ratio is None else recompute_ratio, **options)
 
 
 def check_question(question: object, what: str = "question") -> None:

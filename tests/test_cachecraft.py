@@ -281,7 +281,7 @@ def test_two_processes_add_variants_of_one_chunk(tmp_path):
 
 
 def test_calibrated_alpha_is_the_default(engine, tmp_path, monkeypatch):
-    from cacheblend_rag.fuse.policies.cachecraft import calibrate, store_calibration
+    from cacheblend_rag.cachecraft_calibration import calibrate, store_calibration
 
     monkeypatch.setenv("CACHEBLEND_RAG_HOME", str(tmp_path))
     result = calibrate(engine, [(QUESTION, TEXTS)], target_kl=1e9, alphas=(0.2, 0.9), num_chunks=3)

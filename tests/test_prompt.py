@@ -177,12 +177,10 @@ def test_a_matched_chunk_whose_kv_is_missing_is_computed_then_stored(engine):
 
 
 def test_a_long_prompt_with_no_stored_chunk_warns_once(engine, caplog, monkeypatch):
-    import cacheblend_rag.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "_warned_no_match", False)
+    monkeypatch.setattr(engine._no_match_warning, "said", False)
     edited = TEXTS[0].replace("Sunderland Point", "Sunderland Pier")  # edited after its first 48 characters
     prompt = users_prompt([edited] + ["Some unrelated context of the user's own. " * 10] * 4)
-    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.engine"):
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.fuse.prompt_match"):
         engine.prefill_prompt(prompt, method="full_reuse")
         engine.prefill_prompt(prompt, method="full_reuse")
     warnings = [r for r in caplog.records if "no stored chunk" in r.getMessage()]

@@ -396,3 +396,117 @@ def test_the_engine_and_the_cache_import_no_policy(name):
     modules = discover()
     found = policy_imports(modules[f"{TOP}.{name}"], modules)
     assert not found, f"{TOP}.{name} imports a policy's own module or class:\n  " + "\n  ".join(found)
+
+
+# ---- each option is checked in one place: the policy's own constructor (or the registry's make_policy) ---------
+
+OWN_RANGE_CHECKS = {"cacheblend_rag/loading/controller.py": {"quality_floor"}}
+"""Shares checked with `check_ratio` outside the policies: the engine's own options, no policy's."""
+
+
+def ratio_checks() -> list[tuple[str, str, str]]:
+    """(file, enclosing function, option) for every `check_ratio(...)` call in the package and the integrations
+    (tests aside); the option is the call's `name` argument, `recompute_ratio` by default."""
+    found = []
+    for root in (REPO / TOP, REPO / "integrations"):
+        for path in sorted(root.rglob("*.py")):
+            if "tests" in path.parts:
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for func in ast.walk(tree):
+                if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(func):
+                    if not isinstance(node, ast.Call):
+                        continue
+                    callee = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                    if callee != "check_ratio":
+                        continue
+                    named = node.args[1] if len(node.args) > 1 else next(
+                        (k.value for k in node.keywords if k.arg == "name"), None)
+                    option = named.value if isinstance(named, ast.Constant) else "recompute_ratio"
+                    found.append((path.relative_to(REPO).as_posix(), func.name, option))
+    return sorted(set(found))
+
+
+def test_each_option_is_checked_by_the_policy_alone():
+    """A surface (CLI, LangChain, LlamaIndex, the request) builds a policy and lets its constructor refuse a bad
+    option; it checks no range and no method name of its own (issue #49: a ratio was checked 3–4 times a call)."""
+    checks = ratio_checks()
+    outside = [c for c in checks if not c[0].startswith(f"{TOP}/fuse/policies/")
+               and c[2] not in OWN_RANGE_CHECKS.get(c[0], ())]
+    assert not outside, f"check_ratio called outside fuse/policies/: {outside}"
+    by_option: dict[str, list[tuple[str, str]]] = {}
+    for path, func, option in checks:
+        by_option.setdefault(option, []).append((path, func))
+    # recompute_ratio: each policy that has one, in its constructor; make_policy for the methods that have none
+    assert sorted(by_option["recompute_ratio"]) == [
+        (f"{TOP}/fuse/policies/__init__.py", "make_policy"),
+        (f"{TOP}/fuse/policies/cacheblend.py", "__post_init__"),
+        (f"{TOP}/fuse/policies/relevance.py", "__post_init__"),
+    ]
+    assert sorted(by_option["lookalike"]) == [(f"{TOP}/fuse/policies/cacheblend.py", "__post_init__"),
+                                              (f"{TOP}/fuse/policies/relevance.py", "__post_init__")]
+    assert by_option["guard_ratio"] == [(f"{TOP}/fuse/policies/checks.py", "check_guard_options")]
+    assert by_option["quality_floor"] == [(f"{TOP}/loading/controller.py", "__post_init__")]
+    assert set(by_option) == {"recompute_ratio", "lookalike", "guard_ratio", "quality_floor"}
+
+
+def test_no_surface_validates_a_method_or_its_ratio_itself():
+    """No pydantic validator of `method` or `recompute_ratio` and no `not in POLICIES` test in the integrations or
+    the CLI: `make_policy` names an unknown method, the policy a bad ratio (the server's schemas are its own)."""
+    found = []
+    paths = [*(REPO / "integrations").rglob("*.py"), REPO / TOP / "cli.py", *(REPO / TOP / "commands").rglob("*.py")]
+    for path in paths:
+        if "tests" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "field_validator"
+                    and any(isinstance(a, ast.Constant) and a.value in ("method", "recompute_ratio") for a in node.args)):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} field_validator")
+            if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                    and any(isinstance(op, ast.NotIn) for op in node.test.ops)
+                    and any(getattr(c, "id", "") == "POLICIES" for c in node.test.comparators)
+                    and any(isinstance(n, ast.Raise) for n in node.body)):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} not in POLICIES")
+    assert not found, "a surface checks a method or ratio itself (build the policy instead):\n" + "\n".join(found)
+
+
+def test_no_policy_imports_another():
+    """Policies share checks through `fuse/policies/checks.py`, never by importing each other."""
+    modules = discover()
+    root = f"{TOP}.fuse.policies"
+    own = {name.split(".")[3] for name in modules if name.startswith(root + ".") and name != f"{root}.checks"}
+    found = []
+    for name, module in modules.items():
+        if not name.startswith(root + ".") or name == f"{root}.checks":
+            continue
+        mine = name.split(".")[3]
+        for node in ast.walk(ast.parse(module.path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = _resolve_relative(module, node.level, node.module)
+                targets = [target] + [f"{target}.{a.name}" for a in node.names]
+                other = {t.split(".")[3] for t in targets if t.startswith(root + ".") and len(t.split(".")) > 3}
+                if (other & own) - {mine}:
+                    found.append(f"{name}:{node.lineno} imports {sorted((other & own) - {mine})}")
+    assert not found, "\n".join(found)
+
+
+# ---- the engine's own surface: four request methods (and `advance`); conveniences live in their own module ----
+
+def test_the_engine_runs_requests_through_four_methods():
+    """The engine class body defines the four `*_request` methods and `advance`; the one-line conveniences
+    (`generate`, `stream`, ..., `*_prompt`) are inherited from `conveniences.py`, prompt matching is
+    `fuse/prompt_match.py`'s, and no module global holds request state (`global` statements)."""
+    from cacheblend_rag.conveniences import RequestConveniences
+
+    tree = ast.parse((REPO / TOP / "engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CacheBlendEngine")
+    own = {n.name for n in engine.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    conveniences = {name for name in vars(RequestConveniences) if not name.startswith("_")}
+    surface = {name for name in own if name.endswith("_request") and not name.startswith("_")} | (
+        own & (conveniences | {"advance"}))
+    assert surface == {"prefill_request", "generate_request", "stream_request", "start_request", "advance"}
+    assert len(surface) <= 6
+    assert not own & {"_prompt_request", "_prompt_text"}, "prompt matching is fuse/prompt_match.py's"
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], "engine state held in a module global"

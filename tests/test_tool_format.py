@@ -13,6 +13,7 @@ import pytest
 
 from cacheblend_rag import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
+from cacheblend_rag.fuse.prompt_match import prompt_text
 from cacheblend_rag.request import Request
 from cacheblend_rag.tool_format import GENERIC, ToolFormat
 from cacheblend_rag.tools import (
@@ -121,7 +122,7 @@ def test_the_prompt_lists_the_tools_through_the_template(native):
     fmt = ToolFormat.of(engine.tokenizer)
     turn = tool_turn(ASK, [WEATHER], "auto", fmt=fmt)
     assert turn.messages == ASK and turn.tools == [WEATHER]  # no generic system text: the template lists them
-    text, _ = engine._prompt_text(turn.messages, turn.tools)
+    text, _ = prompt_text(engine.tokenizer, turn.messages, turn.tools)
     assert LISTING[name] in text and '"get_weather"' in text and "<tools>" not in text.replace(
         "You may call these functions:\n<tools>", "")
 
@@ -153,7 +154,7 @@ def test_a_second_turn_renders_the_call_and_result_natively_and_the_results_chun
                                  {"role": "tool", "content": passages[0], "tool_call_id": "call00001"}])
     assert history[-1]["role"] == "tool" and history[-2]["tool_calls"][0]["function"]["name"] == "get_weather"
     turn = tool_turn(history, [WEATHER], "none", fmt=fmt)
-    text, _ = engine._prompt_text(turn.messages, turn.tools)
+    text, _ = prompt_text(engine.tokenizer, turn.messages, turn.tools)
     assert fmt.render_call("get_weather", {"city": "Paris"}) in text and passages[0] in text
     out = engine.generate_request(Request.of(prompt=turn.messages, tools=turn.tools, max_new_tokens=4,
                                              grammar=turn.grammar))

@@ -18,35 +18,14 @@ sees a `LayerView` with the cached K/V can feed it (`observe`) and ask it (`deci
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
 from .hkvd import question_attention
 from .loop import LayerView
 from .policy import RowSelection
 from .sequence import FusedSequence
-
-
-def check_guard_options(threshold: object, escalate_to: object, recompute_ratio: float | None = None) -> None:
-    """A threshold ≥ 0 (or None) and an escalation ratio within [recompute_ratio, 1] (or None), else ConfigError."""
-    for name, value in (("guard", threshold), ("guard_ratio", escalate_to)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-            raise ConfigError(f"{name} must be a number ≥ 0 (or None for no guard), got {value!r}")
-    if escalate_to is None:
-        return
-    if threshold is None:
-        raise ConfigError("guard_ratio is the ratio a flagged request escalates to; set the guard threshold too "
-                          "(e.g. guard=0.05, guard_ratio=0.5)")
-    if escalate_to > 1:
-        raise ConfigError(f"guard_ratio must be within [0, 1], got {escalate_to!r}")
-    if recompute_ratio is not None and escalate_to < recompute_ratio:
-        raise ConfigError(f"guard_ratio ({escalate_to}) is below recompute_ratio ({recompute_ratio}): escalating "
-                          "must recompute more, not less")
 
 
 def _relative(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..fuse.policies.checks import check_ratio
 from ..store.probe import RECOMPUTE, CodecChoice, auto_codec, choose_codec  # noqa: F401  (re-exported)
 from .profile import CodecProfile, ComputeProfile, TierProfile
 
@@ -33,8 +34,7 @@ class LoadingController:
     quality_floor: float = 0.15  # r*: never recompute less than this (quality)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.quality_floor <= 1.0:
-            raise ConfigError(f"quality_floor must be within [0, 1], got {self.quality_floor}")
+        check_ratio(self.quality_floor, "quality_floor")  # the floor of a recompute ratio: the policies' range
 
     def recompute_s_per_mb(self, fp16_bytes_per_token_layer: int) -> float:
         """Seconds to recompute one fp16-equivalent MB of KV (rows of the fused loop), from the compute profile."""

@@ -13,8 +13,9 @@ from typing import Any
 
 from ...errors import ConfigError
 from ..policy import Policy
-from .cacheblend import CacheBlend, HKVDSelection, check_ratio
+from .cacheblend import CacheBlend, HKVDSelection
 from .cachecraft import CacheCraft
+from .checks import check_ratio
 from .full_prefill import FullPrefill
 from .full_reuse import FullReuse
 from .prefix_cache import PrefixCache
@@ -44,7 +45,7 @@ closer to full prefill on distinct documents (docs/benchmarks.md, "Which method 
 
 __all__ = ["DEFAULT_METHOD", "METHODS", "POLICIES", "VARIANT_POLICIES", "CacheBlend", "CacheCraft", "FullPrefill",
            "FullReuse", "HKVDSelection", "Policy", "PrefixCache", "Relevance", "all_option_names", "call_options",
-           "check_not_options", "make_policy", "option_names", "register_policy", "takes_ratio"]
+           "check_not_options", "check_ratio", "make_policy", "option_names", "register_policy", "takes_ratio"]
 
 
 def register_policy(policy_cls: type) -> type:
@@ -112,9 +113,10 @@ def make_policy(method: "str | Policy", recompute_ratio: float | None = None, **
     if cls is None:
         raise ConfigError(f"unknown method {method!r}; use one of {', '.join(POLICIES)}")
     if recompute_ratio is not None:
-        check_ratio(recompute_ratio)  # checked even where the method has no use for it
         if takes_ratio(cls):
-            options["recompute_ratio"] = recompute_ratio
+            options["recompute_ratio"] = recompute_ratio  # checked by the policy's own constructor
+        else:
+            check_ratio(recompute_ratio)  # a method with no use for it still refuses a ratio out of range
     unknown = sorted(set(options) - set(option_names(cls)))
     if unknown:
         known = ", ".join(option_names(cls)) or "none"

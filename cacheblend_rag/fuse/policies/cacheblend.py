@@ -11,19 +11,13 @@ import torch
 from ...errors import ConfigError
 from ...models.adapter import LlamaFamilyAdapter
 from .. import placement
-from ..guard import GuardedRows, QualityGuard, check_guard_options
+from ..guard import GuardedRows, QualityGuard
 from ..hkvd import DEVIATIONS, SELECTIONS, WEIGHTS, chunk_heads, hkvd_score, reuse_budget, top_rows
 from ..lookalike import lookalike_rows
 from ..loop import LayerView
 from ..policy import Policy, RowSelection
 from ..sequence import FusedSequence
-
-
-def check_ratio(value: object, name: str = "recompute_ratio") -> float:
-    """A share within [0, 1] (not a bool, not nan), or a ConfigError that says so."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 <= value <= 1:
-        raise ConfigError(f"{name} must be a number within [0, 1], got {value!r}")
-    return float(value)
+from .checks import check_guard_options, check_ratio
 
 
 @dataclass(frozen=True)

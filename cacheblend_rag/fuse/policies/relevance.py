@@ -25,7 +25,7 @@ from ..hkvd import question_relevance, reuse_budget, top_rows
 from ..lookalike import LookalikeRows, lookalike_rows
 from ..policy import Policy, RowSelection
 from ..sequence import FusedSequence
-from .cacheblend import check_ratio
+from .checks import check_ratio
 
 
 @dataclass(frozen=True)

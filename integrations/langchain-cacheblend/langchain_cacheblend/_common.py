@@ -9,10 +9,9 @@ from typing import Any
 
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import (POLICIES, all_option_names, check_not_options, check_ratio,
-                                          make_policy)
+from cacheblend_rag.fuse.policies import all_option_names, check_not_options
 from cacheblend_rag.models.loader import DEFAULT_MODEL
-from cacheblend_rag.request import DEFAULT_METHOD, call_keywords
+from cacheblend_rag.request import DEFAULT_METHOD, call_keywords, default_policy
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
 
@@ -127,13 +126,6 @@ class EngineFields(BaseModel):
                             f"{type(value).__name__}")
         return value
 
-    @field_validator("method")
-    @classmethod
-    def _check_method(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(f"method must be one of {', '.join(POLICIES)}, got {value!r}")
-        return value
-
     @model_validator(mode="before")
     @classmethod
     def _point_policy_options(cls, data: Any) -> Any:
@@ -143,14 +135,9 @@ class EngineFields(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_policy_options(self) -> Self:
-        make_policy(self.method, None, **self.policy_options)  # a ConfigError names an option the method lacks
+    def _check_policy(self) -> Self:
+        default_policy(self.method, self.recompute_ratio, self.policy_options)
         return self
-
-    @field_validator("recompute_ratio")
-    @classmethod
-    def _check_ratio(cls, value: float | None) -> float | None:
-        return None if value is None else check_ratio(value)  # a ConfigError is a ValueError: pydantic reports it as a ValidationError
 
     @model_validator(mode="after")
     def _name_from_engine(self) -> Self:

@@ -1,6 +1,7 @@
 """Cache-Craft (§3): per-chunk recompute budgets from stored variants, and focused-chunk early termination.
 
-    equations.py   β, γ, CFO, focused chunks (eqs. 6–8, 12, Alg. 1); α: `calibrate`, stored and read (eq. 13)
+    equations.py   β, γ, CFO, focused chunks (eqs. 6–8, 12, Alg. 1); the calibrated α read (eq. 13; measured by
+                   `cacheblend_rag/cachecraft_calibration.py`)
     selection.py   the policy (variant and budget per chunk) and its selection (budget rows, HKVD, focus,
                    attention metadata and storing of new variants)
     variants.py    its per-chunk state: variants' KV in the chunk store, their metadata in SQLite beside it
@@ -24,12 +25,11 @@ in context (holes, a budget of every token) are stored as new variants after the
 metadata; variants beyond a byte budget are evicted by usefulness (f_r += 1/CFO per use, lowest first, §3.3).
 """
 
-from .equations import (ALPHAS, DEFAULT_ALPHA, cache_fix_overhead, calibrate, calibrated_alpha, calibration_path,
-                        focused_chunks, order_penalty, prefix_overlap, store_calibration)
+from .equations import (DEFAULT_ALPHA, cache_fix_overhead, calibrated_alpha, calibration_path, focused_chunks,
+                        order_penalty, prefix_overlap)
 from .selection import (CHECK_LAYER, FIRST_USES, METADATA_EVERY, TOKEN_CHOICES, CacheCraft, ChunkPlan,
                         CraftPlacements, CraftSelection, RequestPlan)
 
-__all__ = ["ALPHAS", "CHECK_LAYER", "DEFAULT_ALPHA", "FIRST_USES", "METADATA_EVERY", "TOKEN_CHOICES", "CacheCraft",
-           "ChunkPlan", "CraftPlacements", "CraftSelection", "RequestPlan", "cache_fix_overhead", "calibrate",
-           "calibrated_alpha", "calibration_path", "focused_chunks", "order_penalty", "prefix_overlap",
-           "store_calibration"]
+__all__ = ["CHECK_LAYER", "DEFAULT_ALPHA", "FIRST_USES", "METADATA_EVERY", "TOKEN_CHOICES", "CacheCraft",
+           "ChunkPlan", "CraftPlacements", "CraftSelection", "RequestPlan", "cache_fix_overhead",
+           "calibrated_alpha", "calibration_path", "focused_chunks", "order_penalty", "prefix_overlap"]

@@ -27,12 +27,13 @@ from ....errors import ConfigError
 from ....ingest.chunks import Chunk
 from ....models.adapter import LlamaFamilyAdapter
 from ....store import ChunkKV, KVStore, LayerReader
-from ...guard import QualityGuard, check_guard_options
+from ...guard import QualityGuard
 from ...hkvd import hkvd_score, question_attention, question_relevance
 from ...loop import LayerView, LoopResult
 from ...placement import Placements
 from ...policy import FusionRequest, Policy, RowSelection
 from ...sequence import FusedSequence, Placement
+from ..checks import check_guard_options
 from .equations import (DEFAULT_ALPHA, cache_fix_overhead, calibrated_alpha, focused_chunks, order_penalty,
                         prefix_overlap)
 from .variants import Variant, VariantStore, cci, token_digest, variant_kv_id

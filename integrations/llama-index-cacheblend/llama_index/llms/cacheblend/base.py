@@ -23,11 +23,10 @@ from cacheblend_rag.tool_format import GENERIC, ToolFormat
 from cacheblend_rag.engine import CacheBlendEngine
 from cacheblend_rag.fuse.prefill import stats_summary
 from cacheblend_rag.errors import ConfigError
-from cacheblend_rag.fuse.policies import (POLICIES, all_option_names, check_not_options, check_ratio,
-                                          make_policy)
+from cacheblend_rag.fuse.policies import all_option_names, check_not_options
 from cacheblend_rag.ingest.chunks import looks_like_chunk_id, normalize_text
 from cacheblend_rag.models.loader import DEFAULT_MODEL
-from cacheblend_rag.request import DEFAULT_METHOD, Request, call_keywords
+from cacheblend_rag.request import DEFAULT_METHOD, Request, call_keywords, default_policy
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -37,7 +36,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.llms.llm import default_completion_to_prompt
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -384,11 +383,6 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
     _build_lock: Any = PrivateAttr(default_factory=threading.Lock)
     _last: dict = PrivateAttr(default_factory=dict)
 
-    @field_validator("recompute_ratio")
-    @classmethod
-    def _check_ratio(cls, value: float | None) -> float | None:
-        return None if value is None else check_ratio(value)  # a ConfigError is a ValueError: pydantic reports it as a ValidationError
-
     def __init__(self, engine: CacheBlendEngine | None = None, **kwargs: Any) -> None:
         if engine is not None and not isinstance(engine, CacheBlendEngine):
             raise TypeError(f"engine must be a CacheBlendEngine (or None to build one from model_name), got "
@@ -397,9 +391,7 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
             kwargs.setdefault("max_new_tokens", kwargs.pop("max_tokens"))
         check_not_options(type(self).__name__, kwargs, type(self).model_fields)  # `lookalike=0`: where it goes
         super().__init__(**kwargs)
-        if self.method not in POLICIES:
-            raise ValueError(f"method must be one of {', '.join(POLICIES)}, got {self.method!r}")
-        make_policy(self.method, None, **self.policy_options)  # a ConfigError names an option the method lacks
+        default_policy(self.method, self.recompute_ratio, self.policy_options)  # the one check of them all
         unknown = sorted(set(self.generate_kwargs) - _call_settings())
         if unknown:
             raise ConfigError(f"generate_kwargs has unknown key(s) {', '.join(unknown)}; accepted: "
