@@ -27,7 +27,9 @@ def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_parser_has_subcommands_and_a_registrar_slot():
     args = build_parser().parse_args(["ask", "why?", "--k", "2", "--method", "map_rerank", "--json"])
-    assert (args.command, args.k, args.method, args.json, args.ratio) == ("ask", 2, "map_rerank", True, 0.15)
+    # no --ratio: None, the model's calibrated ratio (the fidelity gate), else the method's 0.15
+    assert (args.command, args.k, args.method, args.json, args.ratio) == ("ask", 2, "map_rerank", True, None)
+    assert build_parser().parse_args(["ask", "q", "--ratio", "0.3"]).ratio == 0.3
     assert args.stop is None  # → a blank line ends the answer; --stop TEXT replaces it
     assert build_parser().parse_args(["ask", "q", "--stop", "", "--stop", "."]).stop == ["", "."]
     assert build_parser().parse_args(["ingest", "a", "b", "--home", "H"]).paths == ["a", "b"]
