@@ -23,7 +23,7 @@ from ..decode.generate import SamplingOptions
 from ..decode.grammar import GrammarDecodeError
 from ..errors import CollectionNotFoundError, PromptTooLongError
 from ..fuse.layout import PromptTemplate
-from ..fuse.policies import CacheBlend
+from ..fuse.policies import DEFAULT_METHOD, make_policy
 from ..fuse.policy import Policy
 from ..ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
 from ..request import Request
@@ -42,9 +42,10 @@ class EngineCall:
     messages: tuple[dict, ...] = ()  # the whole chat as {"role", "content": text} (empty for a completion)
     documents: tuple[str | Chunk, ...] = ()  # passage texts (tokenized on admission) or chunk ids, in prompt order
     retrieval: tuple[str, int] | None = None  # (collection, k)
-    policy: Policy = field(default_factory=CacheBlend)  # built once from the body's `cacheblend` field
+    # built once from the body's `cacheblend` field; a call that names none: the registry's default method
+    policy: Policy = field(default_factory=lambda: make_policy(DEFAULT_METHOD))
     auto_ratio: bool = False  # recompute_ratio "auto": the loading controller chooses it
-    calibrated_ratio: bool = False  # no ratio named: the model's calibrated one (the fidelity gate) applies
+    calibrated_ratio: bool = True  # no ratio named: the model's calibrated one (the fidelity gate) applies
     tools: tuple[dict, ...] | None = None  # listed by the chat template (its own tool format; no documents)
     cache_salt: str | None = None  # the engine request's (`request_salt`): None shares with every unsalted call
 
