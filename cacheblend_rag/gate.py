@@ -8,7 +8,7 @@ ratio that meets the target (mean first-token KL ≤ `target_kl` and the same to
 `min_agreement` of the questions) becomes the model's ratio. A model that meets it at no ratio below 1 is served at
 ratio 1 (full prefill's answers) and a warning says so; naming a ratio (or `"auto"`) always overrides the gate.
 
-    decision = calibrate(engine)                  # ~1 min for SmolLM2 on 2 CPU cores, ~10 min for a 1.5B model
+    decision = calibrate(engine)                  # one full prefill per question, then the method per ratio
     path = store(decision)                        # this machine's: <models dir>/gates/<fingerprint>-<method>.json
     find(engine.fingerprint, engine.model_name)   # this machine's decision, else the one shipped for a packaged model
 """
@@ -105,6 +105,7 @@ def calibrate(engine: "CacheBlendEngine", method: str = DEFAULT_METHOD, *, targe
     if not (target_kl > 0 and math.isfinite(target_kl)) or not 0 < min_agreement <= 1:
         raise ConfigError(f"target_kl must be > 0 and min_agreement within (0, 1], got {target_kl}, {min_agreement}")
     items = calibration_items() if items is None else items
+    meets = lambda row: row["mean_kl"] <= target_kl and row["agreement"] >= min_agreement  # noqa: E731
     scratch = type(engine)(engine.model, engine.tokenizer, None, template=engine.template, lead_in=engine.lead_in,
                            model_name=engine.model_name, prefix_reuse=False)
     references, tokens = [], []
@@ -133,9 +134,9 @@ def calibrate(engine: "CacheBlendEngine", method: str = DEFAULT_METHOD, *, targe
             table.append(row)
             logger.info("calibrate %s %s@%s: mean KL %.4f, agreement %.2f", engine.model_name, method, ratio,
                         row["mean_kl"], row["agreement"])
-            if row["mean_kl"] <= target_kl and row["agreement"] >= min_agreement:
+            if meets(row):
                 break
-    chosen = table[-1] if table[-1]["mean_kl"] <= target_kl and table[-1]["agreement"] >= min_agreement else None
+    chosen = table[-1] if meets(table[-1]) else None
     adapter = engine.adapter
     return GateDecision(
         model=engine.model_name, fingerprint=engine.fingerprint, method=method,

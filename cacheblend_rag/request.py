@@ -97,8 +97,7 @@ class Request:
         auto = recompute_ratio == "auto"
         policy = make_policy(method, None if auto else recompute_ratio, **policy_options)
         if calibrated_ratio is None:
-            calibrated_ratio = (recompute_ratio is None and isinstance(method, str) and takes_ratio(policy)
-                                and "recompute_ratio" not in policy_options)
+            calibrated_ratio = recompute_ratio is None and isinstance(method, str) and takes_ratio(policy)
         return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
                    policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools),
                    cache_salt=cache_salt, calibrated_ratio=calibrated_ratio)
