@@ -104,9 +104,9 @@ class _FullAttention(RowSelection):
         n, kv_heads, d = keys.shape
         groups = q.shape[1] // kv_heads
         probs = torch.zeros(n, n)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
         for g in range(kv_heads):  # per KV head, to bound memory
             logits = torch.einsum("shd,nd->hsn", q[:, g * groups:(g + 1) * groups], keys[:, g]) * view.scale
-            causal = torch.ones(n, n, dtype=torch.bool).tril()
             probs += logits.masked_fill(~causal, float("-inf")).softmax(-1).sum(0)
         probs /= q.shape[1]
         seg = self.segment
@@ -166,10 +166,8 @@ def run(engine: CacheBlendEngine, items: list[dict], arms: list[str], num_chunks
                 started = time.perf_counter()
                 out = engine.prefill(ids, question)
             elif name in ("full_reuse", "cacheblend", "relevance", "cachecraft"):
-                policy = arm if name == "full_reuse" else None
                 started = time.perf_counter()
-                out = engine.prefill(ids, question, name, float(arg) if arg else None) if policy is None else \
-                    engine.prefill(ids, question, "full_reuse")
+                out = engine.prefill(ids, question, name, float(arg) if arg else None)
             elif name == "layers":
                 started = time.perf_counter()
                 out = engine.prefill(ids, question, ChosenRows(through_layer=int(arg)))

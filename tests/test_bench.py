@@ -513,14 +513,18 @@ def test_conversation_peers_summary_hand_checked():
 
 @pytest.mark.model
 @pytest.mark.slow
-def test_bench_faults_grammar_scenarios_end_to_end(musique, tmp_path, capsys):
+def _faults(scenarios: str, out) -> dict:
+    """`bench faults` on one question with a tiny random model: its faults.json."""
     from conftest import musique_path
 
-    out = tmp_path / "out"
     code = cli_main(["bench", "faults", str(musique_path()), "--limit", "1", "--chunks", "2", "--model", "tiny-random",
-                     "--fault-scenarios", "schema_bomb,grammar_fails,stop_in_json", "--out", str(out)])
+                     "--fault-scenarios", scenarios, "--out", str(out)])
     assert code == 0
-    grammar = {r["scenario"]: r for r in json.loads((out / "faults.json").read_text())["grammar"]}
+    return json.loads((out / "faults.json").read_text())
+
+
+def test_bench_faults_grammar_scenarios_end_to_end(musique, tmp_path, capsys):
+    grammar = {r["scenario"]: r for r in _faults("schema_bomb,grammar_fails,stop_in_json", tmp_path / "out")["grammar"]}
     bomb = grammar["schema_bomb"]
     assert bomb["bombs"] >= 6 and set(bomb["bomb_statuses"]) == {"400"}, bomb  # every bomb refused
     assert bomb["latency_ratio"] > 0 and bomb["rss_before_mib"] > 0 and bomb["rss_after_mib"] > 0
@@ -537,13 +541,7 @@ def test_bench_faults_grammar_scenarios_end_to_end(musique, tmp_path, capsys):
 @pytest.mark.model
 @pytest.mark.slow
 def test_bench_faults_privacy_scenarios_find_no_oracle(musique, tmp_path, capsys):
-    from conftest import musique_path
-
-    out = tmp_path / "out"
-    code = cli_main(["bench", "faults", str(musique_path()), "--limit", "1", "--chunks", "2", "--model", "tiny-random",
-                     "--fault-scenarios", "document_oracle,metrics_oracle", "--out", str(out)])
-    assert code == 0
-    privacy = {r["scenario"]: r for r in json.loads((out / "faults.json").read_text())["privacy"]}
+    privacy = {r["scenario"]: r for r in _faults("document_oracle,metrics_oracle", tmp_path / "out")["privacy"]}
     documents = privacy["document_oracle"]
     assert documents["a_status"] == 200 and documents["sent_memo"]["status"] == 400, documents
     assert documents["sent_memo"] == documents["edited_memo"] and not documents["oracle"], documents
