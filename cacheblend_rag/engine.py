@@ -28,6 +28,7 @@ from .decode.stream import answer_streamer, stream_decode
 from .conveniences import RequestConveniences
 from .decode.text import Answer
 from . import gate as fidelity_gate
+from . import settings
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, assemble
@@ -225,13 +226,15 @@ class CacheBlendEngine(RequestConveniences):
         revision: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         trust_remote_code: bool = False,
-        calibrate: bool = True,
+        calibrate: bool | None = None,
         **kwargs,
     ) -> "CacheBlendEngine":
         """Load a packaged model, a local folder or a hub id (`org/name`, at `revision`, through the Hugging Face
         cache as transformers does) and build an engine on it (kv_codec: how a disk store codes KV). `calibrate`:
-        on first use of a model with no fidelity decision (measured here or shipped), measure it (gate.py)."""
+        on first use of a model with no fidelity decision (measured here or shipped), measure it (gate.py); None:
+        $CACHEBLEND_RAG_CALIBRATE, default yes."""
         _check_kv_codec(kv_codec, kv_store)  # before loading the model
+        calibrate = settings.calibrate_on_first_use(calibrate)
         model, tokenizer = load_model(name_or_path, device=device, dtype=dtype, home=home, revision=revision,
                                       cache_dir=cache_dir, trust_remote_code=trust_remote_code)
         kwargs.setdefault("model_name", str(name_or_path))

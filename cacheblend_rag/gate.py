@@ -9,7 +9,7 @@ ratio that meets the target (mean first-token KL ≤ `target_kl` and the same to
 ratio 1 (full prefill's answers) and a warning says so; naming a ratio (or `"auto"`) always overrides the gate.
 
     decision = calibrate(engine)                  # one full prefill per question, then the method per ratio
-    path = store(decision)                        # this machine's: <models dir>/gates/<fingerprint>-<method>.json
+    path = store(decision)                        # this machine's: settings.gates_dir()/<fingerprint>-<method>.json
     find(engine.fingerprint, engine.model_name)   # this machine's decision, else the one shipped for a packaged model
 """
 
@@ -149,7 +149,7 @@ def calibrate(engine: "CacheBlendEngine", method: str = DEFAULT_METHOD, *, targe
 
 def gate_path(fingerprint: str, method: str) -> Path:
     """Where this machine keeps a model's decision for `method` (beside the converted models)."""
-    return settings.models_dir() / "gates" / f"{fingerprint}-{method}.json"
+    return settings.gates_dir() / f"{fingerprint}-{method}.json"
 
 
 def store(decision: GateDecision) -> Path:

@@ -33,6 +33,31 @@ def models_dir() -> Path:
     return Path("~/.cache/cacheblend-rag/models").expanduser()
 
 
+ENV_GATES = "CACHEBLEND_RAG_GATES"
+ENV_CALIBRATE = "CACHEBLEND_RAG_CALIBRATE"
+
+
+def gates_dir() -> Path:
+    """Where this machine's fidelity-gate decisions are kept ($CACHEBLEND_RAG_GATES, else `<models_dir>/gates`)."""
+    env = os.environ.get(ENV_GATES)
+    return Path(env).expanduser() if env else models_dir() / "gates"
+
+
+def calibrate_on_first_use(override: bool | None = None) -> bool:
+    """Whether loading a model with no fidelity decision measures one (`calibrate=`, else $CACHEBLEND_RAG_CALIBRATE:
+    0/false/no/off to only read stored and shipped decisions; default yes)."""
+    if override is not None:
+        if not isinstance(override, bool):
+            raise ConfigError(f"calibrate must be True, False or None, got {override!r}")
+        return override
+    value = os.environ.get(ENV_CALIBRATE, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"${ENV_CALIBRATE} must be 1/true/yes/on or 0/false/no/off, got {value!r}")
+
+
 def home_models_dir(home: str | os.PathLike[str] | None = None) -> Path:
     """Where converted models lived before they were shared (a home's own `models/`); still read, never written."""
     return home_dir(home) / "models"

@@ -24,8 +24,10 @@ QUESTION = "Which university was founded in 1451?"
 
 @pytest.fixture
 def models_dir(tmp_path, monkeypatch):
-    """This machine's decisions in a folder of the test's own."""
+    """This machine's decisions in a folder of the test's own, measured on first use as by default."""
     monkeypatch.setenv("CACHEBLEND_RAG_MODELS", str(tmp_path / "models"))
+    monkeypatch.delenv("CACHEBLEND_RAG_GATES", raising=False)
+    monkeypatch.delenv("CACHEBLEND_RAG_CALIBRATE", raising=False)
     return tmp_path / "models"
 
 
@@ -111,6 +113,25 @@ def test_from_pretrained_calibrates_a_model_on_first_use_only(tokenizer, tmp_pat
     assert again.gate(DEFAULT_METHOD) == decision
     skipped = CacheBlendEngine.from_pretrained(str(folder), device="cpu", dtype="float32", calibrate=False)
     assert skipped.gate(DEFAULT_METHOD) == decision  # calibrate=False measures nothing, but reads what is stored
+
+
+def test_the_environment_moves_the_decisions_and_turns_measuring_off(tokenizer, tmp_path, models_dir, monkeypatch):
+    """$CACHEBLEND_RAG_GATES: where this machine's decisions live; $CACHEBLEND_RAG_CALIBRATE=0: a first use reads
+    stored and shipped decisions only; a value that is neither is an error before the model loads."""
+    folder = tmp_path / "tiny-llama"
+    tiny_model("llama", len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    monkeypatch.setenv("CACHEBLEND_RAG_GATES", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("CACHEBLEND_RAG_CALIBRATE", "off")
+    engine = CacheBlendEngine.from_pretrained(str(folder), device="cpu", dtype="float32")
+    assert engine.gate(DEFAULT_METHOD) is None and not (tmp_path / "elsewhere").exists()
+    decision = gate.calibrate(engine, target_kl=1e9, min_agreement=0.5, ratios=(0.5,),
+                              items=gate.calibration_items()[:1], show_progress=False)
+    assert gate.store(decision).parent == tmp_path / "elsewhere" and not models_dir.exists()
+    assert CacheBlendEngine.from_pretrained(str(folder), device="cpu", dtype="float32").gate(DEFAULT_METHOD) == decision
+    monkeypatch.setenv("CACHEBLEND_RAG_CALIBRATE", "sometimes")
+    with pytest.raises(ConfigError, match="CACHEBLEND_RAG_CALIBRATE"):
+        CacheBlendEngine.from_pretrained("no-such-model")
 
 
 def test_the_packaged_models_ship_their_decisions():

@@ -1,0 +1,12 @@
+"""Every test suite of the repository (tests/ and both partner packages): the fidelity gate's decisions go to a
+folder of the run's own, and loading a model measures none on first use, so a run neither reads nor writes this
+machine's decisions and spends no minutes calibrating; tests/test_gate.py turns measuring back on where it tests it."""
+
+import os
+import tempfile
+
+
+def pytest_configure(config):
+    # set before any engine or server subprocess starts; servers inherit the environment
+    os.environ["CACHEBLEND_RAG_GATES"] = tempfile.mkdtemp(prefix="cacheblend-gates-")
+    os.environ["CACHEBLEND_RAG_CALIBRATE"] = "0"
