@@ -33,7 +33,7 @@ from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
 from .fuse.layout import PromptTemplate, assemble
 from .fuse.placement import Placements
-from .fuse.policies import VARIANT_POLICIES
+from .fuse.policies import VARIANT_POLICIES, check_ratio
 from .fuse.policy import FusionRequest
 from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_pending
 from .fuse.prompt_match import NoMatchWarning, prompt_request, prompt_text
@@ -155,7 +155,8 @@ class CacheBlendEngine(RequestConveniences):
                                 prefix_store=prefixes)
         self._warned_keep = False
         self._no_match_warning = NoMatchWarning()  # said once per engine (fuse/prompt_match.py)
-        self.quality_floor = quality_floor  # r*: recompute_ratio="auto" never goes below it
+        # r*: recompute_ratio="auto" never goes below it; the engine's own share, checked here (not on first use)
+        self.quality_floor = check_ratio(quality_floor, "quality_floor")
         self.home = home
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         self.chunks = ChunkRegistry(max_known_chunks)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cacheblend_rag import CacheBlendEngine
+from cacheblend_rag.errors import ConfigError
 from cacheblend_rag.store import DiskStore, KVKey
 
 from conftest import tiny_model
@@ -116,6 +118,13 @@ def test_auto_ratio_on_an_engine(tokenizer, tmp_path):
     assert list((tmp_path / "profiles").glob("*.json"))  # measured once, cached
 
 
+@pytest.mark.parametrize("floor", [1.5, -0.1, float("nan"), True, "0.2"])
+def test_a_bad_quality_floor_is_refused_when_the_engine_is_built(tokenizer, tmp_path, floor):
+    """Checked where the engine defines it, before any request (not on the first "auto" one)."""
+    with pytest.raises(ConfigError, match="quality_floor"):
+        CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, home=tmp_path, quality_floor=floor)
+
+
 # ---- profiles on a disk that cannot take the probe (issue 14.5) -------------------------------------------
 
 import logging  # noqa: E402
@@ -123,7 +132,6 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-import pytest  # noqa: E402
 
 from cacheblend_rag.errors import ProfileError  # noqa: E402
 from cacheblend_rag.loading.profile import PROBE_PREFIX, measure_disk  # noqa: E402

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..fuse.policies.checks import check_ratio
 from ..store.probe import RECOMPUTE, CodecChoice, auto_codec, choose_codec  # noqa: F401  (re-exported)
 from .profile import CodecProfile, ComputeProfile, TierProfile
 
@@ -31,10 +30,7 @@ class LoadingController:
 
     compute: ComputeProfile
     tiers: dict[str, TierProfile]
-    quality_floor: float = 0.15  # r*: never recompute less than this (quality)
-
-    def __post_init__(self) -> None:
-        check_ratio(self.quality_floor, "quality_floor")  # the floor of a recompute ratio: the policies' range
+    quality_floor: float = 0.15  # r*: never recompute less than this (quality); the engine's option, checked there
 
     def recompute_s_per_mb(self, fp16_bytes_per_token_layer: int) -> float:
         """Seconds to recompute one fp16-equivalent MB of KV (rows of the fused loop), from the compute profile."""
