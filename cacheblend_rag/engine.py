@@ -8,13 +8,14 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ from .fuse.layout import PromptTemplate, assemble
 from .fuse.placement import Placements
 from .fuse.policies import VARIANT_POLICIES, check_ratio
 from .fuse.policy import FusionRequest
-from .fuse.prefill import Prefill, RequestStats, fused_prefill, store_pending
+from .fuse.prefill import Prefill, RequestStats, fused_prefill, take_pending
 from .fuse.prompt_match import NoMatchWarning, prompt_request, prompt_text
 from .fuse.sequence import FusedSequence
 from .ingest.chunks import Chunk, chunk_id, looks_like_chunk_id, make_chunk
@@ -169,6 +170,9 @@ class CacheBlendEngine(RequestConveniences):
         self._lock = threading.RLock()  # one request at a time on the model: callers serialise
         # the salted cache view of each started sequence, for keeping its KV when `advance` finishes it
         self._sequence_caches: weakref.WeakKeyDictionary[KVSequence, ChunkCache] = weakref.WeakKeyDictionary()
+        # what started sequences' prefills left to store (their missed chunks' KV): run at the next `advance` or
+        # `start_request`, after the caller has handed out the first piece (`start_request`)
+        self._deferred_stores: collections.deque[Callable[[], None]] = collections.deque()
         self.learner = PassageLearner(lambda text: self.ingest([text], show_progress=False))
         # the fidelity gate: per method, the ratio requests that name none run at on this model (gate.py)
         self._gates: dict[str, fidelity_gate.GateDecision | None] = {}
@@ -528,16 +532,19 @@ class CacheBlendEngine(RequestConveniences):
         prefill's stats. Needs the default decoder ("kv")."""
         if self.decoder != "kv":
             raise ConfigError(f'batched decoding needs decoder="kv", this engine uses {self.decoder!r}')
-        with self._decodable(request) as pre:
-            seq = self._kv_decoder.sequence(pre.token_ids, pre.keys, pre.values, request.sampling,
-                                            first_logits=pre.logits)
-            self._sequence_caches[seq] = self.cache.salted(request.cache_salt)
+        with self._lock:
+            self._run_deferred_stores()
+            with self._decodable(request, defer_stores=True) as pre:
+                seq = self._kv_decoder.sequence(pre.token_ids, pre.keys, pre.values, request.sampling,
+                                                first_logits=pre.logits)
+                self._sequence_caches[seq] = self.cache.salted(request.cache_salt)
         return seq, pre.stats
 
     def advance(self, sequences: Sequence[KVSequence]) -> list[str]:
         """One decode step for every sequence at once (each must be unfinished): the text piece each hands out
         now (stop strings already cut); `seq.finished` / `seq.finish_reason` say which ended."""
         with self._lock:
+            self._run_deferred_stores()
             pieces = self._kv_decoder.advance(sequences)
             for seq in sequences:
                 if seq.finished:
@@ -586,10 +593,18 @@ class CacheBlendEngine(RequestConveniences):
                                type(e).__name__, e)
             self._warned_keep = True
 
+    def _run_deferred_stores(self) -> None:
+        """Store what started requests' prefills left (under the model's lock; best effort, as `store_pending`)."""
+        with torch.inference_mode():
+            while self._deferred_stores:
+                self._deferred_stores.popleft()()
+
     @contextmanager
-    def _decodable(self, request: Request) -> Iterator[Prefill]:
+    def _decodable(self, request: Request, defer_stores: bool = False) -> Iterator[Prefill]:
         """Under the model's lock: the prefill to decode from, checked for room; its holes are stored after the
-        block (best effort), so neither the answer nor its first streamed piece waits for them."""
+        block (best effort), so neither the answer nor its first streamed piece waits for them — with
+        `defer_stores`, later still: at the next `advance` or `start_request` (the first piece is handed out by
+        the caller of `start_request`, after the block)."""
         sampling = request.sampling
         if sampling.grammar is not None and self.decoder != "kv":
             raise ConfigError(f'constrained decoding (grammar=) needs decoder="kv", this engine uses {self.decoder!r}')
@@ -604,6 +619,10 @@ class CacheBlendEngine(RequestConveniences):
                     )
                 yield pre
             finally:
-                with torch.inference_mode():
-                    store_pending(self.cache.salted(request.cache_salt), pre)
+                stores = take_pending(self.cache.salted(request.cache_salt), pre)
+                if defer_stores:
+                    self._deferred_stores.append(stores)
+                else:
+                    with torch.inference_mode():
+                        stores()
 

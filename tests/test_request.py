@@ -69,6 +69,29 @@ def test_each_method_runs_the_request_as_its_convenience_does(engine):
     assert seq.generated == by_value.token_ids and stats["num_tokens"] == by_value.stats["num_tokens"]
 
 
+def test_a_started_request_stores_its_missed_chunks_after_its_first_piece(tokenizer):
+    """The batched path (the server's): `start_request` hands back a sequence with its first piece before the
+    missed chunks' KV is computed and stored for the next request (a cold request's first token waited for that:
+    about a second full prefill); the next `advance`, or the next `start_request`, stores it; the next request hits."""
+    engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer)
+
+    def stored(ids: list[str]) -> list[str]:
+        return [i for i in ids if i in {key.chunk_id for key in engine.kv_store.keys()}]
+
+    request = Request.of(TEXTS, QUESTION, "cacheblend", 0.3, max_new_tokens=3)
+    seq, stats = engine.start_request(request)
+    missed = stats["chunk_misses"]
+    assert len(missed) == len(TEXTS) and seq.first_piece is not None and stored(missed) == []
+    engine.advance([seq])
+    assert stored(missed) == missed
+    assert engine.start_request(request)[1]["chunk_hits"] == missed
+
+    one_token = Request.of(["Tarn Hows is a tarn in the Lake District."], QUESTION, max_new_tokens=1)
+    seq, stats = engine.start_request(one_token)  # done at its first token: no `advance` follows
+    assert seq.finished and len(stats["chunk_misses"]) == 1 and stored(stats["chunk_misses"]) == []
+    assert engine.start_request(one_token)[1]["chunk_hits"] == stats["chunk_misses"]  # stored before it ran
+
+
 def test_a_prompt_request_finds_the_stored_chunks_and_uses_its_policy_object(engine):
     prompt = "Context:\n" + "\n\n".join(TEXTS) + f"\n\nQuestion: {QUESTION}\nAnswer:"
     out = engine.generate_request(Request(prompt=prompt, policy=FullReuse(), sampling=SamplingOptions(max_new_tokens=2)))

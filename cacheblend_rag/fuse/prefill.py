@@ -188,9 +188,19 @@ def fused_prefill(cache: ChunkCache, policy: Policy, request: FusionRequest, *, 
 def store_pending(cache: ChunkCache, prefill: Prefill) -> None:
     """Compute and store what a prefill left for after its logits: its holes, and the chunks to learn behind its
     opening (best effort: logged), so the next request hits."""
-    store_chunks(cache, prefill.unstored_holes)
-    store_chunks(cache, prefill.unlearned, prefill.opening)
+    take_pending(cache, prefill)()
+
+
+def take_pending(cache: ChunkCache, prefill: Prefill) -> Callable[[], None]:
+    """What a prefill left to store, taken from it as one call to run later (it holds the chunks, not the KV)."""
+    holes, unlearned, opening = prefill.unstored_holes, prefill.unlearned, prefill.opening
     prefill.unstored_holes, prefill.unlearned = [], []
+
+    def store() -> None:
+        store_chunks(cache, holes)
+        store_chunks(cache, unlearned, opening)
+
+    return store
 
 
 def store_chunks(cache: ChunkCache, chunks: list[Chunk], lead_in_ids: Sequence[int] | None = None) -> None:
