@@ -128,6 +128,8 @@ def _breakdown_study(p: argparse.ArgumentParser) -> None:
 def _serve_load_study(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8, metavar="C", help="openai SDK clients (default 8)")
     p.add_argument("--requests", type=int, default=16, help="requests per run (default 16)")
+    p.add_argument("--conversations", type=int, default=None, metavar="N",
+                   help="instead: the server's RSS over N distinct two-turn chats, with its stored prefixes' bytes")
 
 
 def _trace_study(p: argparse.ArgumentParser) -> None:
@@ -533,6 +535,8 @@ def _serve_load(args: argparse.Namespace, dataset: Path) -> dict:
     from .report import machine, write_table
 
     items = load_dataset(dataset, args.limit or None, shuffle=args.shuffle, seed=args.seed, skip=args.skip)
+    if args.conversations is not None:
+        return _serve_memory(args, dataset, items)
     result = run_serve_load(items, model=args.model, dtype=args.dtype, num_chunks=args.chunks,
                             concurrency=args.concurrency, num_requests=args.requests,
                             max_tokens=args.max_new_tokens)
@@ -543,6 +547,22 @@ def _serve_load(args: argparse.Namespace, dataset: Path) -> dict:
     if args.out:
         paths = write_table(args.out, "serve_load", header, table, {"meta": {"dataset": str(dataset)}, **result})
         print("wrote " + ", ".join(str(p) for p in paths))
+    return result
+
+
+def _serve_memory(args: argparse.Namespace, dataset: Path, items: list[dict]) -> dict:
+    """`serve-load --conversations N`: the server's RSS over many distinct chats; prints and writes the table."""
+    from .load import format_serve_memory, run_serve_memory
+    from .report import machine
+
+    if args.conversations < 1:
+        raise SystemExit(f"--conversations must be ≥ 1, got {args.conversations}")
+    result = run_serve_memory(items, model=args.model, dtype=args.dtype, num_chats=args.conversations,
+                              num_chunks=args.chunks, max_tokens=args.max_new_tokens)
+    header = (f"{result['chats']} distinct two-turn chats over loopback HTTP (openai SDK), {args.chunks} passages "
+              f"each, {args.max_new_tokens} new tokens a turn; {machine()}")
+    _print_and_write(args, "serve_memory", header, format_serve_memory(result), {"meta": {"dataset": str(dataset)},
+                                                                               **result})
     return result
 
 

@@ -198,6 +198,78 @@ def run_serve_load(items: list[dict], *, model: str = "smollm2-135m", dtype: str
     return out
 
 
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of a process now (VmRSS), in MB; None where /proc has no such field."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def prefix_store_mb(url: str) -> float | None:
+    """The server's stored prefixes (finished requests' KV kept for the next turn), in MB, from /metrics."""
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("cacheblend_prefix_store_bytes"):
+            return float(line.rsplit(" ", 1)[1]) / 2**20
+    return None
+
+
+def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: str = "auto", num_chats: int = 200,
+                     every: int = 25, num_chunks: int = 6, max_tokens: int = 8) -> dict:
+    """`cacheblend-rag serve`'s RSS over `num_chats` distinct two-turn chats sent by the openai SDK (documents, a
+    question, then a follow-up carrying the first answer): RSS and the prefix store's bytes (/metrics) every
+    `every` chats, after one warm-up request."""
+    import tempfile
+
+    import openai
+
+    from cacheblend_rag import settings
+    from .conversation import distinct_chats
+    from .datasets import passages_of
+
+    chats = distinct_chats(items, num_chats, num_chunks)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="cacheblend-serve-memory-") as tmp:
+        home = Path(tmp)
+        (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
+        with _server(home, model, dtype) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=3600)
+            pid = server.proc.pid
+            rows.append({"chats": 0, "rss_mb": rss_mb(pid), "prefix_mb": prefix_store_mb(server.url)})
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                           max_tokens=2)
+            rows.append({"chats": "warm-up", "rss_mb": rss_mb(pid), "prefix_mb": prefix_store_mb(server.url)})
+            for n, chat in enumerate(tqdm(chats, desc="conversations", unit="chat"), start=1):
+                docs = passages_of(chat, num_chunks)
+                messages = [{"role": "user", "content": chat["question"]}]
+                first = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                                       extra_body={"documents": docs})
+                messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                             {"role": "user", "content": "Say it in one sentence."}]
+                client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                               extra_body={"documents": docs})
+                if n % every == 0 or n == len(chats):
+                    rows.append({"chats": n, "rss_mb": rss_mb(pid), "prefix_mb": prefix_store_mb(server.url)})
+            peak = rss_peak_mb(pid)
+    return {"chats": len(chats), "max_tokens": max_tokens, "num_chunks": num_chunks, "rows": rows,
+            "rss_peak_mb": peak}
+
+
+def format_serve_memory(result: dict) -> str:
+    """The memory table of `run_serve_memory`."""
+    lines = ["| chats | server RSS MB | stored prefixes MB |", "|---|---:|---:|"]
+    for r in result["rows"]:
+        prefix = "–" if r["prefix_mb"] is None else f"{r['prefix_mb']:.0f}"
+        lines.append(f"| {r['chats']} | {r['rss_mb']:.0f} | {prefix} |")
+    lines.append(f"\nserver RSS peak {result['rss_peak_mb']:.0f} MB")
+    return "\n".join(lines)
+
+
 def format_serve_load(result: dict) -> str:
     """Markdown tables of a `run_serve_load` result."""
     def f(x, unit="s"):
