@@ -276,5 +276,5 @@ def test_pages_are_a_manual_not_a_work_log(page):
 def test_docs_and_readme_stay_small():
     pages = sorted(DOCS.rglob("*.md")) + [REPO / "README.md"]
     total = sum(p.stat().st_size for p in pages)
-    assert total <= 150 * 1024, f"docs/ and README.md hold {total:,} bytes; keep them within 150 KiB (history " \
-                                "goes in CHANGELOG.md and the git log)"
+    assert total <= 150_000, f"docs/ and README.md hold {total:,} bytes; keep them within 150,000 bytes (history " \
+                             "goes in CHANGELOG.md and the git log)"
