@@ -324,7 +324,7 @@ class _Server:
             messages=messages,
             documents=tuple(documents),
             retrieval=(body.retrieval.collection, body.retrieval.k) if body.retrieval else None,
-            policy=opts.policy(),
+            policy=opts.policy,
             auto_ratio=opts.auto_ratio,
             calibrated_ratio=opts.calibrated_ratio,
             sampling=SamplingOptions(body.new_tokens(default_max_tokens), body.temperature, body.top_p,
