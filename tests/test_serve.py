@@ -537,15 +537,15 @@ def test_a_cancelled_queued_job_frees_its_slot_at_once():
 
 def test_run_job_streams_then_finishes_and_stops_a_cancelled_or_late_job(tokenizer):
     from cacheblend_rag import CacheBlendEngine
-    from cacheblend_rag import SamplingOptions
+    from cacheblend_rag.request import Request
     from cacheblend_rag.serve.runner import EngineCall, Retriever, run_job
     from cacheblend_rag.serve.scheduler import Cancelled, Done, Failed, Job, Piece, RequestTimeout
 
     from conftest import tiny_model
 
     engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, None)
-    call = EngineCall(question="What is in the passage?", sampling=SamplingOptions(max_new_tokens=6),
-                      documents=("A short passage about bees and their five eyes.",))
+    call = EngineCall(Request.of(("A short passage about bees and their five eyes.",), "What is in the passage?",
+                                 max_new_tokens=6))
 
     async def run(deadline_s: float, cancel: bool = False) -> list:
         job = Job(call, asyncio.get_running_loop(), deadline=time.monotonic() + deadline_s)

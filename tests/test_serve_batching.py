@@ -129,7 +129,7 @@ def test_batch_scheduler_interleaves_jobs_equal_to_solo_and_frees_cancelled_slot
     import time
 
     from cacheblend_rag import CacheBlendEngine
-    from cacheblend_rag import SamplingOptions
+    from cacheblend_rag.request import Request
     from cacheblend_rag.serve.runner import EngineCall, Retriever, make_scheduler
     from cacheblend_rag.serve.scheduler import BatchScheduler, Done, Failed, Job, Piece
 
@@ -137,10 +137,10 @@ def test_batch_scheduler_interleaves_jobs_equal_to_solo_and_frees_cancelled_slot
 
     engine = CacheBlendEngine(tiny_model("llama", len(tokenizer)), tokenizer, None)
     passages = ("A short passage about bees and their five eyes.", "Queens, drones and workers live in a hive.")
-    calls = [EngineCall(question=q, sampling=SamplingOptions(max_new_tokens=n), documents=passages)
+    calls = [EngineCall(Request.of(passages, q, max_new_tokens=n))
              for q, n in (("What is in the passage?", 12), ("Who lives in a hive?", 12), ("Tell me more.", 2000))]
-    solo = [engine.generate(list(passages), c.question, max_new_tokens=c.sampling.max_new_tokens).token_ids
-            for c in calls[:2]]
+    solo = [engine.generate(list(passages), c.request.question, max_new_tokens=c.request.sampling.max_new_tokens
+                            ).token_ids for c in calls[:2]]
 
     async def main() -> tuple[list, list, int]:
         loop = asyncio.get_running_loop()

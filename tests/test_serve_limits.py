@@ -476,13 +476,13 @@ def test_a_body_is_read_with_the_errors_fastapi_gave():
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
-    from cacheblend_rag.serve.app import _validation_message, read_body
+    from cacheblend_rag.serve.calls import read_body, validation_message
     from cacheblend_rag.serve.schemas import ChatCompletionRequest
 
     def message(raw: bytes, content_type: str | None = "application/json") -> str:
         with pytest.raises(RequestValidationError) as e:
             read_body(raw, content_type, ChatCompletionRequest)
-        return _validation_message(e.value)
+        return validation_message(e.value)
 
     # each as the route gave it when FastAPI read the body (checked against a server of the commit before)
     assert message(b"{not json") == "invalid request: 1: JSON decode error"

@@ -517,3 +517,54 @@ def test_the_engine_runs_requests_through_four_methods():
     assert len(surface) <= 6
     assert not own & {"_prompt_request", "_prompt_text"}, "prompt matching is fuse/prompt_match.py's"
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], "engine state held in a module global"
+
+
+# ---- the server: one policy and one `Request` per request, built where its body is read (issue #49) -------------
+
+SERVE = REPO / TOP / "serve"
+APP_MAX_LINES = 450
+
+
+def serve_calls(callee: str, owner: str | None = None) -> list[str]:
+    """`file:line` of every call of `callee` (`owner.callee` when `owner` is given) in the server's modules."""
+    found = []
+    for path in sorted(SERVE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if owner is None and (getattr(func, "id", None) == callee or getattr(func, "attr", None) == callee):
+                found.append(f"{path.name}:{node.lineno}")
+            elif owner is not None and isinstance(func, ast.Attribute) and func.attr == callee \
+                    and getattr(func.value, "id", None) == owner:
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_the_server_builds_one_policy_and_one_request_per_request():
+    """The body's validation builds the policy (`schemas.CacheBlendOptions`, the one `make_policy` of serve/) and
+    keeps it; the engine's `Request` is built once, where the body is read (`Request.of` in calls.py alone, one per
+    path: a whole prompt or a question with chunks); `EngineCall` carries that request and its retrieval query, with
+    no policy or default of its own; no module global holds request state."""
+    assert [site.split(":")[0] for site in serve_calls("make_policy")] == ["schemas.py"]
+    request_of = serve_calls("of", owner="Request")
+    assert {site.split(":")[0] for site in request_of} == {"calls.py"} and len(request_of) == 2, request_of
+    runner = ast.parse((SERVE / "runner.py").read_text())
+    call = next(n for n in runner.body if isinstance(n, ast.ClassDef) and n.name == "EngineCall")
+    fields = {n.target.id: n for n in call.body if isinstance(n, ast.AnnAssign)}
+    assert list(fields) == ["request", "retrieval"], list(fields)
+    assert fields["request"].value is None, "an EngineCall's request is the route's, never a default"
+    retrieval = fields["retrieval"].value
+    assert isinstance(retrieval, ast.Constant) and retrieval.value is None, "no retrieval unless the body asks"
+    for path in sorted(SERVE.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], f"{path.name}: a module global's state"
+
+
+def test_the_server_app_is_its_routes():
+    """app.py holds the app and its routes; reading bodies into calls, admission and answering are modules of
+    their own (calls.py, admission.py, responses.py)."""
+    lines = len((SERVE / "app.py").read_text().splitlines())
+    assert lines <= APP_MAX_LINES, f"serve/app.py has {lines} lines, more than {APP_MAX_LINES}"
+    for name in ("calls", "admission", "responses", "config"):
+        assert (SERVE / f"{name}.py").exists(), name

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import PromptTooLongError
 from ..ingest.chunks import looks_like_chunk_id, normalize_text
-from .runner import EngineCall
+from ..request import Request
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -272,24 +272,25 @@ def max_token_chars(tokenizer) -> int:
     return max((len(t) for t in tokens if t), default=1)
 
 
-def prompt_chars(call: EngineCall, normalize: Callable[[str], str] = str) -> int:
-    """Characters of the text the engine will tokenize for this call, each text as `normalize` leaves it (chunk ids
-    not counted)."""
-    if not call.documents and call.retrieval is None and call.messages:
-        return sum(len(normalize(m["content"])) for m in call.messages)
-    docs = sum(len(normalize(d)) for d in call.documents if isinstance(d, str) and not looks_like_chunk_id(d))
-    if call.messages:  # a chat keeps its earlier turns beside the documents (runner.conversation)
-        return docs + sum(len(normalize(m["content"])) for m in call.messages)
-    return docs + len(normalize(call.question)) + len(normalize(call.system or ""))
+def prompt_chars(request: Request, normalize: Callable[[str], str] = str) -> int:
+    """Characters of the text the engine will tokenize for this request, each text as `normalize` leaves it (chunk
+    ids not counted)."""
+    if request.prompt is not None:  # the whole chat, or the completion prompt
+        prompt = request.prompt
+        return len(normalize(prompt)) if isinstance(prompt, str) else sum(len(normalize(m["content"])) for m in prompt)
+    chunks = sum(len(normalize(c)) for c in request.chunks if isinstance(c, str) and not looks_like_chunk_id(c))
+    turns = sum(len(normalize(m["content"])) for m in request.history)  # a chat's earlier turns beside the chunks
+    system = request.template.system if request.template is not None else None
+    return chunks + turns + len(normalize(request.question)) + len(normalize(system or ""))
 
 
-def check_fits(call: EngineCall, context_window: int, chars_per_token: int) -> None:
-    """PromptTooLongError when the call's text has more characters than the context window could hold even if every
+def check_fits(request: Request, context_window: int, chars_per_token: int) -> None:
+    """PromptTooLongError when the request's text has more characters than the context window could hold even if every
     token were the longest one: refused without tokenizing."""
     bound = context_window * chars_per_token
-    if prompt_chars(call) <= bound:
+    if prompt_chars(request) <= bound:
         return
-    chars = prompt_chars(call, normalize_text)  # the engine strips whitespace first: count what it keeps
+    chars = prompt_chars(request, normalize_text)  # the engine strips whitespace first: count what it keeps
     if chars > bound:
         raise PromptTooLongError(f"the prompt's {chars} characters cannot fit the model's context window of "
                                  f"{context_window} tokens (at most {chars_per_token} characters a token); send "

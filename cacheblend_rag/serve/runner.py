@@ -1,31 +1,20 @@
-"""What the worker thread does with one request: gather its chunks, run the engine, hand back pieces and stats.
+"""What the worker thread does with one call: add its retrieved passages to its request, run the engine, hand back
+pieces and stats.
 
-`engine_request` is the one place an API request becomes the engine's `Request`:
-- with `documents`, `chunk_ids` or `retrieval`: chunks, a question, a template and history —
-  the chunks are those passages, the question the last user message (or the completion prompt), the turns before
-  it the history (the chunks stay in the first user turn, so a follow-up starts with the previous turn's prompt
-  and answer: a stored prefix), a system message the template's system text;
-- otherwise the request's own prompt — the whole chat, rendered with the model's chat template, or the
-  completion prompt as is — is the request's prompt, in which the engine reuses the KV of every ingested chunk whose
-  text it carries (a client's own RAG prompt gets reuse without any extension field).
+A call is built by the route (`calls.py`): the engine's `Request`, whole, and, for `retrieval`, the query that only
+the worker runs (Chroma is opened and queried there, never on the event loop).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..decode.generate import SamplingOptions
 from ..decode.grammar import GrammarDecodeError
-from ..errors import CollectionNotFoundError, PromptTooLongError
-from ..fuse.layout import PromptTemplate
-from ..fuse.policies import DEFAULT_METHOD, make_policy
-from ..fuse.policy import Policy
-from ..ingest.chunks import Chunk, looks_like_chunk_id, make_chunk
+from ..errors import CollectionNotFoundError
 from ..request import Request
 from .scheduler import BatchScheduler, Done, Failed, Job, Piece, Scheduler
 
@@ -33,21 +22,21 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class EngineCall:
-    """One request as the engine needs it, validated by the routes."""
+class RetrievalQuery:
+    """Passages to retrieve on the worker: the `k` chunks of the Chroma `collection` most similar to `query`."""
 
-    question: str  # the last user message, or the completion prompt
-    sampling: SamplingOptions
-    system: str | None = None  # a chat's system message
-    messages: tuple[dict, ...] = ()  # the whole chat as {"role", "content": text} (empty for a completion)
-    documents: tuple[str | Chunk, ...] = ()  # passage texts (tokenized on admission) or chunk ids, in prompt order
-    retrieval: tuple[str, int] | None = None  # (collection, k)
-    # built once from the body's `cacheblend` field; a call that names none: the registry's default method
-    policy: Policy = field(default_factory=lambda: make_policy(DEFAULT_METHOD))
-    auto_ratio: bool = False  # recompute_ratio "auto": the loading controller chooses it
-    calibrated_ratio: bool = True  # no ratio named: the model's calibrated one (the fidelity gate) applies
-    tools: tuple[dict, ...] | None = None  # listed by the chat template (its own tool format; no documents)
-    cache_salt: str | None = None  # the engine request's (`request_salt`): None shares with every unsalted call
+    collection: str
+    k: int
+    query: str  # the last user message as the client sent it (or the completion prompt)
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One API request on its way to the engine: its `Request`, built once by the route (policy, sampling, chunks,
+    tools, salt: everything the engine reads), and what only the worker can add to it, the passages of `retrieval`."""
+
+    request: Request
+    retrieval: RetrievalQuery | None = None
 
 
 class Retriever:
@@ -75,79 +64,21 @@ class Retriever:
         return [hit.text for hit in store.query(question, k)]
 
 
-def request_salt(key_namespace: str | None, cache_salt: str | None) -> str | None:
-    """The engine's cache salt for a request: its API key's namespace combined with (not replaced by) the
-    `cache_salt` it sent, unambiguously (no client salt can name another key's namespace); None for neither."""
-    if key_namespace is None and cache_salt is None:
-        return None
-    return json.dumps([key_namespace, cache_salt], ensure_ascii=False)
-
-
-def admit_documents(engine, call: EngineCall) -> EngineCall:
-    """The call with its document texts tokenized (Chunks), for the engine's worker to skip that work; refused
-    with PromptTooLongError when their tokens alone exceed the context window. Runs off the worker thread."""
-    chunks: list[str | Chunk] = []
-    for doc in call.documents:
-        # a chunk id is looked up by the engine (cheap); a text is tokenized here, outside the engine's lock
-        chunks.append(doc if isinstance(doc, Chunk) or looks_like_chunk_id(doc) else make_chunk(doc, engine.tokenizer))
-    tokens = sum(c.num_tokens for c in chunks if isinstance(c, Chunk))
-    if tokens > engine.context_window:
-        raise PromptTooLongError(f"the documents have {tokens} tokens, more than the model's context window of "
-                                 f"{engine.context_window} tokens; send fewer or shorter documents")
-    return replace(call, documents=tuple(chunks))
-
-
-def prompt_tokens(engine, call: EngineCall) -> int:
-    """Tokens of the call's prompt as the engine will build it (system text, tools' and schema's instructions,
-    turns, question and the tokenized documents; chunk ids and retrieved chunks not counted, so a lower bound for
-    those): counted on admission, before any grammar compiles. Runs off the worker thread."""
-    if not call.documents and call.retrieval is None:
-        return engine.count_prompt_tokens(call.messages or call.question, call.tools)
-    template = PromptTemplate(system=call.system) if call.system else engine.template
-    question, history = conversation(call)
-    prefix, separator, suffix = template.render(engine.tokenizer, question, history)
-    chunks = [c for c in call.documents if isinstance(c, Chunk)]
-    return len(prefix) + len(suffix) + sum(c.num_tokens for c in chunks) + len(separator) * max(len(chunks) - 1, 0)
-
-
-def conversation(call: EngineCall) -> tuple[str, tuple[dict, ...]]:
-    """(question, earlier turns) of a call on the documents path: the last user message of a chat (a tool's result
-    is one) and the messages before it, system messages left to the template; a completion has no earlier turns."""
-    turns = [m for m in call.messages if m["role"] not in ("system", "developer")]
-    last = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=None)
-    if last is None:
-        return call.question, ()
-    return turns[last]["content"], tuple(turns[:last])
-
-
-def engine_request(call: EngineCall, retriever: Retriever, stats: dict) -> Request:
-    """The engine's request for a call (its retrieval run here); `stats` gets `num_retrieved`."""
-    if not call.documents and call.retrieval is None:
-        prompt = call.messages if call.messages else call.question
-        return Request.of(prompt=prompt, method=call.policy, recompute_ratio=_ratio(call), sampling=call.sampling,
-                          tools=call.tools, cache_salt=call.cache_salt, calibrated_ratio=call.calibrated_ratio)
-    chunks = list(call.documents)
-    if call.retrieval is not None:
-        collection, k = call.retrieval
-        retrieved = retriever.query(collection, call.question, k)
-        stats["num_retrieved"] = len(retrieved)
-        chunks += retrieved
-    template = PromptTemplate(system=call.system) if call.system else None
-    question, history = conversation(call)
-    return Request.of(tuple(chunks), question, method=call.policy, recompute_ratio=_ratio(call), history=history,
-                      template=template, sampling=call.sampling, cache_salt=call.cache_salt,
-                      calibrated_ratio=call.calibrated_ratio)
-
-
-def _ratio(call: EngineCall) -> str | None:
-    """`Request.of`'s `recompute_ratio` for a call whose policy is built: "auto" leaves it to the engine."""
-    return "auto" if call.auto_ratio else None
+def retrieved_request(call: EngineCall, retriever: Retriever, stats: dict) -> Request:
+    """The call's request with its retrieved passages after its own chunks (queried here, on the worker thread);
+    `stats` gets `num_retrieved`."""
+    if call.retrieval is None:
+        return call.request
+    retrieval = call.retrieval
+    retrieved = retriever.query(retrieval.collection, retrieval.query, retrieval.k)
+    stats["num_retrieved"] = len(retrieved)
+    return replace(call.request, chunks=(*call.request.chunks, *retrieved))
 
 
 def run_job(engine, retriever: Retriever, job: Job) -> None:
     """Run one job on the worker thread: emit its pieces, then Done (or Failed); stop early when asked to."""
     stats: dict = {}
-    pieces = engine.stream_request(engine_request(job.call, retriever, stats), stats)
+    pieces = engine.stream_request(retrieved_request(job.call, retriever, stats), stats)
     stopped: BaseException | None = None
     try:
         for piece in pieces:
@@ -199,7 +130,7 @@ class ActiveRequest:
 def start_job(engine, retriever: Retriever, job: Job) -> ActiveRequest:
     """Prefill one job (on the worker thread, under the engine's lock): a request ready to join the batch."""
     stats: dict = {}
-    seq, pre_stats = engine.start_request(engine_request(job.call, retriever, stats))
+    seq, pre_stats = engine.start_request(retrieved_request(job.call, retriever, stats))
     stats.update(pre_stats.as_dict())
     return ActiveRequest(job, seq, stats)
 

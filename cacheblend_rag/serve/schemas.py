@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from ..decode.generate import SEED_MAX, SEED_MIN
 from ..errors import ConfigError
@@ -127,9 +127,11 @@ class CacheBlendOptions(_Body):
     """How the prompt's chunks are fused: the engine's method and that method's own options, whichever policy of
     the registry it is (`fuse.policies.POLICIES`): e.g. {"method": "cacheblend", "recompute_ratio": 0.3,
     "check_layers": [1, 2]} or {"method": "cachecraft", "alpha": 0.5, "guard": 0.1}. An option the method does not
-    take, or a value it refuses, is a 400 naming it (the policy's own check, as every surface runs it)."""
+    take, or a value it refuses, is a 400 naming it (the policy's own check, as every surface runs it). The policy
+    is built once, when the body is validated, and kept (`policy`): the request runs that one."""
 
     model_config = ConfigDict(extra="allow")  # the method's options: checked by the policy itself, below
+    _policy: Policy = PrivateAttr()  # set by the validator below
 
     method: str = DEFAULT_METHOD
     """Any method of the policy registry (`fuse.policies.POLICIES`), one registered by a plugin included."""
@@ -147,8 +149,9 @@ class CacheBlendOptions(_Body):
     def _the_policy_takes_them(self) -> "CacheBlendOptions":
         if self.auto_ratio and not takes_ratio(POLICIES[self.method]):
             raise ValueError(f'recompute_ratio "auto" needs a method with a recompute ratio, not {self.method!r}')
-        try:
-            self.policy()
+        try:  # `recompute_ratio="auto"` leaves the ratio to the engine
+            self._policy = make_policy(self.method, None if self.auto_ratio else self.recompute_ratio,
+                                       **self.policy_options())
         except (ConfigError, TypeError, ValueError) as e:
             raise ValueError(str(e)) from None
         return self
@@ -163,9 +166,10 @@ class CacheBlendOptions(_Body):
         """Whether the body named no ratio for a method that has one: the model's calibrated ratio applies."""
         return self.recompute_ratio is None and takes_ratio(POLICIES[self.method])
 
+    @property
     def policy(self) -> Policy:
-        """The method's policy with these options (`recompute_ratio="auto"` leaves its ratio to the engine)."""
-        return make_policy(self.method, None if self.auto_ratio else self.recompute_ratio, **self.policy_options())
+        """The method's policy with these options, built when they were validated."""
+        return self._policy
 
     def policy_options(self) -> dict[str, Any]:
         """The method's options that were set, as the engine takes them (lists as tuples)."""
