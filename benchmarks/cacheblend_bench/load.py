@@ -144,15 +144,21 @@ def run_http_load(url: str, model: str, requests: list[tuple[list[str], str]], *
     return {**summarize_http(records, time.perf_counter() - started), "records": records}
 
 
-def rss_peak_mb(pid: int) -> float | None:
-    """Peak resident memory of a process (VmHWM), in MB; None where /proc has no such field."""
+def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
+    """A process's resident memory in MB from /proc: now (VmRSS) or its peak (VmHWM); None where it has no such
+    field."""
     try:
         for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
     return None
+
+
+def rss_peak_mb(pid: int) -> float | None:
+    """Peak resident memory of a process (VmHWM), in MB; None where /proc has no such field."""
+    return rss_mb(pid, "VmHWM")
 
 
 def _server(home, model: str, dtype: str, *args: str):
@@ -196,17 +202,6 @@ def run_serve_load(items: list[dict], *, model: str = "smollm2-135m", dtype: str
             out["overload"] = {"clients": overload_clients, "max_queue": overload_queue, "max_batch": 2, **result,
                                "rss_peak_mb": rss_peak_mb(server.proc.pid)}
     return out
-
-
-def rss_mb(pid: int) -> float | None:
-    """Resident memory of a process now (VmRSS), in MB; None where /proc has no such field."""
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def prefix_store_mb(url: str) -> float | None:
