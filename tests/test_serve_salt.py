@@ -73,11 +73,16 @@ def test_clients_with_different_api_keys_share_nothing_with_the_same_key_they_do
 @pytest.mark.model
 @pytest.mark.slow
 def test_metrics_show_the_stored_prefix_stores_bytes_and_entries(server):
+    """And the chunk KV store's, by tier: a document sent is stored (so an operator sees what bounds the RSS)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     _cached(_client(server, KEY_A), "What are ocelli? (metrics test)")
+    _client(server, KEY_A).chat.completions.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "What do drones do?"}],
+        extra_body={"documents": ["Drones are male honeybees; they mate with a queen and do not forage. (metrics)"]})
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY_B}"}, timeout=10).text
     samples = {(s.name, s.labels.get("tier")): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("cacheblend_prefix_store_bytes", "memory")] > 0
     assert samples[("cacheblend_prefix_store_entries", "memory")] >= 1
+    assert samples[("cacheblend_kv_store_bytes", "memory")] > 0 and samples[("cacheblend_kv_store_entries", "memory")] >= 1

@@ -204,14 +204,16 @@ def run_serve_load(items: list[dict], *, model: str = "smollm2-135m", dtype: str
     return out
 
 
-def prefix_store_mb(url: str) -> float | None:
-    """The server's stored prefixes (finished requests' KV kept for the next turn), in MB, from /metrics."""
+def store_mb(url: str) -> dict[str, float]:
+    """What the server's stores hold now, in MB, from /metrics: "prefixes" (finished requests' KV kept for the next
+    turn) and "chunks" (the chunk KV store's memory tier)."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("cacheblend_prefix_store_bytes"):
-            return float(line.rsplit(" ", 1)[1]) / 2**20
-    return None
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    wanted = {"cacheblend_prefix_store_bytes": "prefixes", "cacheblend_kv_store_bytes": "chunks"}
+    return {wanted[s.name]: s.value / 2**20 for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name in wanted and s.labels.get("tier") == "memory"}
 
 
 def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: str = "auto", num_chats: int = 200,
@@ -235,10 +237,10 @@ def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: s
         with _server(home, model, dtype) as server:
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=3600)
             pid = server.proc.pid
-            rows.append({"chats": 0, "rss_mb": rss_mb(pid), "prefix_mb": prefix_store_mb(server.url)})
+            rows.append({"chats": 0, "rss_mb": rss_mb(pid), **store_mb(server.url)})
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
                                            max_tokens=2)
-            rows.append({"chats": "warm-up", "rss_mb": rss_mb(pid), "prefix_mb": prefix_store_mb(server.url)})
+            rows.append({"chats": "warm-up", "rss_mb": rss_mb(pid), **store_mb(server.url)})
             for n, chat in enumerate(tqdm(chats, desc="conversations", unit="chat"), start=1):
                 docs = passages_of(chat, num_chunks)
                 messages = [{"role": "user", "content": chat["question"]}]
@@ -249,7 +251,7 @@ def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: s
                 client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                extra_body={"documents": docs})
                 if n % every == 0 or n == len(chats):
-                    rows.append({"chats": n, "rss_mb": rss_mb(pid), "prefix_mb": prefix_store_mb(server.url)})
+                    rows.append({"chats": n, "rss_mb": rss_mb(pid), **store_mb(server.url)})
             peak = rss_peak_mb(pid)
     return {"chats": len(chats), "max_tokens": max_tokens, "num_chunks": num_chunks, "rows": rows,
             "rss_peak_mb": peak}
@@ -257,12 +259,13 @@ def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: s
 
 def format_serve_memory(result: dict) -> str:
     """The memory table of `run_serve_memory`."""
-    lines = ["| chats | server RSS MB | stored prefixes MB |", "|---|---:|---:|"]
-    for r in result["rows"]:
-        prefix = "–" if r["prefix_mb"] is None else f"{r['prefix_mb']:.0f}"
-        lines.append(f"| {r['chats']} | {r['rss_mb']:.0f} | {prefix} |")
-    lines.append(f"\nserver RSS peak {result['rss_peak_mb']:.0f} MB")
-    return "\n".join(lines)
+    def mb(value: float | None) -> str:
+        return "–" if value is None else f"{value:.0f}"
+
+    lines = ["| chats | server RSS MB | stored prefixes MB | chunk KV in memory MB |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['chats']} | {mb(r['rss_mb'])} | {mb(r.get('prefixes'))} | {mb(r.get('chunks'))} |"
+              for r in result["rows"]]
+    return "\n".join(lines + ["", f"server RSS peak {mb(result['rss_peak_mb'])} MB"])
 
 
 def format_serve_load(result: dict) -> str:

@@ -149,6 +149,7 @@ class ServerMetrics:
         self.gc_frozen.set_function(gc.get_freeze_count)
         if store_stats is not None:
             r.register(StoreCollector(store_stats))
+            r.register(OccupancyCollector("cacheblend_kv_store", "the chunk KV store", store_stats))
         if prefix_store_stats is not None:  # finished requests' KV kept for the next turn (engine.prefix_store)
             r.register(OccupancyCollector("cacheblend_prefix_store", "the stored-prefix store", prefix_store_stats))
         if grammar_compilations is not None:
