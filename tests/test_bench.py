@@ -378,9 +378,10 @@ def test_bench_frames_and_faq_end_to_end(musique, tmp_path, capsys, one_thread):
     from conftest import musique_path
 
     out = tmp_path / "out"
-    assert cli_main(["bench", "frames", str(musique_path()), "--limit", "1", "--chunks", "3", "--dtype", "float32",
-                     "--max-new-tokens", "4", "--out", str(out), "-q"]) == 0
+    assert cli_main(["bench", "frames", str(musique_path()), "--limit", "1", "--chunks", "3", "--chunk-tokens", "96",
+                     "--dtype", "float32", "--max-new-tokens", "4", "--out", str(out), "-q"]) == 0
     result = json.loads((out / "frames.json").read_text())
+    assert result["meta"]["chunk_tokens"] == 96 and max(r["num_tokens"] for r in result["records"]) < 3 * 96 + 200
     rows = {(r["frame"], r["method"]): r for r in result["summary"]}
     assert {f for f, _ in rows} == {"chain", "chat", "string", "langchain", "llama_index"}
     for frame in ("chain", "chat", "string", "langchain", "llama_index"):

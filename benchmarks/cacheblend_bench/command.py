@@ -382,9 +382,9 @@ def _frames(args: argparse.Namespace, dataset: Path) -> dict:
 
     items, engine = _questions_and_engine(args, dataset)
     result = run_frames(engine, items, num_chunks=args.chunks, max_new_tokens=args.max_new_tokens,
-                        show_progress=not args.quiet, behind=args.behind)
-    result["meta"] = {"questions": len(items), "chunks": args.chunks, "model": args.model, "dtype": _dtype(engine),
-                      "behind": args.behind, "machine": machine()}
+                        show_progress=not args.quiet, behind=args.behind, chunk_tokens=args.chunk_tokens)
+    result["meta"] = {"questions": len(items), "chunks": args.chunks, "chunk_tokens": args.chunk_tokens,
+                      "model": args.model, "dtype": _dtype(engine), "behind": args.behind, "machine": machine()}
     header = (f"{len(items)} questions × {args.chunks} passages, computed behind the {args.behind}, {args.model}, "
               f"{_dtype(engine)}; {machine()}")
     _print_and_write(args, "frames", header, format_frames(result["summary"]), result)

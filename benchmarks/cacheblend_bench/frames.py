@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .datasets import passages_of
+from .datasets import question_passages
 from .faq import FAQ_FRAMES, correct, faq_set
 
 FRAMES = ("chain", "chat", "string", "langchain", "llama_index")
@@ -82,12 +82,13 @@ def _reference_logits(engine, token_ids: torch.Tensor) -> torch.Tensor:
 
 
 def run_frames(engine, items: list[dict], *, num_chunks: int = 6, max_new_tokens: int = 16,
-               frames: tuple[str, ...] = FRAMES, show_progress: bool = True, behind: str = "lead_in") -> dict:
+               frames: tuple[str, ...] = FRAMES, show_progress: bool = True, behind: str = "lead_in",
+               chunk_tokens: int | None = None) -> dict:
     """Every frame × method on every question: records and a per-frame summary (each question's passages
-    ingested together, computed behind `behind`)."""
+    ingested together, computed behind `behind`; re-cut to `chunk_tokens` when given)."""
     records = []
     for item in tqdm(items, desc="frames", unit="question", disable=not show_progress):
-        passages = passages_of(item, num_chunks)
+        passages = question_passages(item, num_chunks, chunk_tokens, engine.tokenizer)
         ids = engine.ingest(passages, show_progress=False, behind=behind)
         prompts = frame_prompts(passages, item["question"])
         for frame in frames:
