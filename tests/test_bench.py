@@ -412,7 +412,7 @@ def test_bench_conversation_end_to_end(tmp_path, one_thread):
     from conftest import musique_path
 
     out = tmp_path / "out"
-    assert cli_main(["bench", "conversation", str(musique_path()), "--limit", "1", "--chunks", "2", "--dtype",
+    assert cli_main(["bench", "conversation", str(musique_path()), "--limit", "1", "--chunks", "1", "--dtype",
                      "float32", "--max-new-tokens", "4", "--out", str(out), "-q"]) == 0
     result = json.loads((out / "conversation.json").read_text())
     turns = result["summary"]["turns"]
