@@ -3,10 +3,13 @@ folder of the run's own, and loading a model measures none on first use, so a ru
 machine's decisions and spends no minutes calibrating; tests/test_gate.py turns measuring back on where it tests it."""
 
 import os
+import shutil
 import tempfile
 
 
 def pytest_configure(config):
     # set before any engine or server subprocess starts; servers inherit the environment
-    os.environ["CACHEBLEND_RAG_GATES"] = tempfile.mkdtemp(prefix="cacheblend-gates-")
+    gates = tempfile.mkdtemp(prefix="cacheblend-gates-")
+    config.add_cleanup(lambda: shutil.rmtree(gates, ignore_errors=True))
+    os.environ["CACHEBLEND_RAG_GATES"] = gates
     os.environ["CACHEBLEND_RAG_CALIBRATE"] = "0"

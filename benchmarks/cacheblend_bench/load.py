@@ -144,21 +144,15 @@ def run_http_load(url: str, model: str, requests: list[tuple[list[str], str]], *
     return {**summarize_http(records, time.perf_counter() - started), "records": records}
 
 
-def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
-    """A process's resident memory in MB from /proc: now (VmRSS) or its peak (VmHWM); None where it has no such
-    field."""
+def rss_peak_mb(pid: int) -> float | None:
+    """Peak resident memory of a process (VmHWM), in MB; None where /proc has no such field."""
     try:
         for line in open(f"/proc/{pid}/status"):
-            if line.startswith(f"{field}:"):
+            if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     except OSError:
         return None
     return None
-
-
-def rss_peak_mb(pid: int) -> float | None:
-    """Peak resident memory of a process (VmHWM), in MB; None where /proc has no such field."""
-    return rss_mb(pid, "VmHWM")
 
 
 def _server(home, model: str, dtype: str, *args: str):
@@ -219,7 +213,7 @@ def store_mb(url: str) -> dict[str, float]:
 def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: str = "auto", num_chats: int = 200,
                      every: int = 25, num_chunks: int = 6, max_tokens: int = 8) -> dict:
     """`cacheblend-rag serve`'s RSS over `num_chats` distinct two-turn chats sent by the openai SDK (documents, a
-    question, then a follow-up carrying the first answer): RSS and the prefix store's bytes (/metrics) every
+    question, then a follow-up carrying the first answer): RSS and what its two stores hold (`store_mb`) every
     `every` chats, after one warm-up request."""
     import tempfile
 
@@ -228,6 +222,7 @@ def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: s
     from cacheblend_rag import settings
     from .conversation import distinct_chats
     from .datasets import passages_of
+    from .faults import rss_bytes
 
     chats = distinct_chats(items, num_chats, num_chunks)
     rows: list[dict] = []
@@ -236,11 +231,14 @@ def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: s
         (home / "models").symlink_to(settings.models_dir(), target_is_directory=True)
         with _server(home, model, dtype) as server:
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=3600)
-            pid = server.proc.pid
-            rows.append({"chats": 0, "rss_mb": rss_mb(pid), **store_mb(server.url)})
+
+            def sample(chats: int | str) -> dict:
+                return {"chats": chats, "rss_mb": rss_bytes(server.proc.pid) / 2**20, **store_mb(server.url)}
+
+            rows.append(sample(0))
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
                                            max_tokens=2)
-            rows.append({"chats": "warm-up", "rss_mb": rss_mb(pid), **store_mb(server.url)})
+            rows.append(sample("warm-up"))
             for n, chat in enumerate(tqdm(chats, desc="conversations", unit="chat"), start=1):
                 docs = passages_of(chat, num_chunks)
                 messages = [{"role": "user", "content": chat["question"]}]
@@ -251,8 +249,8 @@ def run_serve_memory(items: list[dict], *, model: str = "smollm2-135m", dtype: s
                 client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                extra_body={"documents": docs})
                 if n % every == 0 or n == len(chats):
-                    rows.append({"chats": n, "rss_mb": rss_mb(pid), **store_mb(server.url)})
-            peak = rss_peak_mb(pid)
+                    rows.append(sample(n))
+            peak = rss_peak_mb(server.proc.pid)
     return {"chats": len(chats), "max_tokens": max_tokens, "num_chunks": num_chunks, "rows": rows,
             "rss_peak_mb": peak}
 
