@@ -199,7 +199,7 @@ def full_attention(engine: CacheBlendEngine, ids: list[str], question: str) -> t
     reads of each row."""
     from cacheblend_rag import Request
 
-    request = engine._fusion_request(Request.of(ids, question, "full_prefill"))
+    request = engine.fusion_of(Request.of(ids, question, "full_prefill"))
     layout = request.layout
     seq = FusedSequence(layout.token_ids, layout.segment_of_row, [], engine.adapter.num_layers,
                         engine.adapter.num_kv_heads, engine.adapter.head_dim, engine.adapter.dtype)

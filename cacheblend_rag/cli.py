@@ -57,6 +57,7 @@ from .commands.plan import add_plan, plan_figures
 from .commands.profile import add_profile
 from .commands.profile import print_codec_choice as _print_codec_choice
 from .commands.serve import add_serve
+from .commands.train_links import add_train_links
 from .errors import CacheBlendError, ConfigError
 
 __all__ = [  # the parser and its runners, and what plugins (ask, bench), benchmarks and tests import from here
@@ -76,7 +77,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 REGISTRARS: list[Callable[[argparse._SubParsersAction], None]] = [add_ingest, add_profile, add_delete, add_prune,
-                                                                  add_plan, add_serve, add_calibrate]
+                                                                  add_plan, add_serve, add_calibrate,
+                                                                  add_train_links]
 """Subcommand registrars (one module each under `commands/`), in help order; append one to add a subcommand."""
 
 

@@ -32,7 +32,8 @@ from . import gate as fidelity_gate
 from . import settings
 from .errors import ChunkError, ConfigError, PromptTooLongError
 from .fuse.chunk_cache import PREFIX_BLOCK, ChunkCache
-from .fuse.layout import PromptTemplate, assemble
+from .fuse.layout import PromptTemplate, after_last_chunk, assemble, insert_rows
+from .fuse.links import Links, find_links
 from .fuse.placement import Placements
 from .fuse.policies import VARIANT_POLICIES, check_ratio
 from .fuse.policy import FusionRequest
@@ -47,7 +48,7 @@ from .ingest.registry import ChunkRegistry
 from .loading.controller import LoadingController, RatioDecision
 from .loading.profile import load_or_measure
 from .models.adapter import get_adapter
-from .models.fingerprint import model_fingerprint, tokenizer_fingerprint
+from .models.fingerprint import model_fingerprint, tokenizer_fingerprint, weights_fingerprint
 from .models.loader import DEFAULT_MODEL, load_model
 from .request import DEFAULT_METHOD, Prompt, Request
 from .store import KVStore, MemoryStore, open_store
@@ -122,6 +123,7 @@ class CacheBlendEngine(RequestConveniences):
         prefix_reuse: bool = True,
         prefix_store: KVStore | str | os.PathLike[str] | Sequence | None = None,
         calibrate: bool = False,
+        links: Links | str | os.PathLike[str] | None = "auto",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -143,6 +145,7 @@ class CacheBlendEngine(RequestConveniences):
         if prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be ≥ 0, got {prefetch_depth}")
         self.fingerprint = f"{model_fingerprint(model)}{tokenizer_fingerprint(tokenizer)}"
+        self.weights_fingerprint = weights_fingerprint(model, tokenizer)  # the same in every dtype: links' key
         if not isinstance(prefix_reuse, bool):
             raise ConfigError(f"prefix_reuse must be True or False, got {prefix_reuse!r}")
         # prefix_reuse: a finished request's KV (prompt and answer) is kept as a stored prefix, and a request that
@@ -160,6 +163,8 @@ class CacheBlendEngine(RequestConveniences):
         self.quality_floor = check_ratio(quality_floor, "quality_floor")
         self.home = home
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        # learned links (fuse/links): after the last reused chunk, computed with the question (links_for)
+        self.links: Links | None = self._check_links(links)
         self.chunks = ChunkRegistry(max_known_chunks)
         if not isinstance(chunk_index, ChunkIndex):
             folder = self.kv_store.side_car_dir()
@@ -193,11 +198,45 @@ class CacheBlendEngine(RequestConveniences):
                 f" (best: ratio {best['ratio']}, KL {best['mean_kl']:.3f}, agreement {best['agreement']:.0%})"
                 if best else "", decision.ratio)
 
+    def _check_links(self, links: Links | str | os.PathLike[str] | None) -> Links | None:
+        """Learned links for this model (a `Links`, a links file's path, or "auto": those trained on this machine
+        for these weights, else the package's for a packaged model), checked against its weights."""
+        if links is None or links is False:
+            return None
+        if isinstance(links, str) and links == "auto":
+            links = find_links(self.weights_fingerprint, self.model_name)
+            if links is None:
+                return None
+        if isinstance(links, (str, os.PathLike)):
+            links = Links.load(links)
+        if not isinstance(links, Links):
+            raise ConfigError(f"links must be a Links, a links file's path or None, got {type(links).__name__}")
+        embed = self.model.get_input_embeddings()
+        return links.for_model(self.weights_fingerprint, int(embed.weight.shape[0]), int(embed.weight.shape[1]))
+
+    def links_for(self, request: Request, policy, decision: "fidelity_gate.GateDecision | None" = None
+                  ) -> Links | None:
+        """The links a request runs with: the engine's, unless the request turns them off, the fidelity gate's
+        `decision` its ratio came from was measured without them, its method places no chunk KV computed out of
+        context, or it recomputes every reused row (ratio 1 is full prefill)."""
+        if request.links is True and self.links is None:
+            raise ConfigError("this request asks for links (links=True) but the engine has none: load them with "
+                              "CacheBlendEngine(links=PATH) or train them with `cacheblend-rag train-links`")
+        if self.links is None or request.links is False or not policy.reuses_chunks:
+            return None
+        if decision is not None and request.links is None and decision.links is None:
+            return None  # the gate chose this ratio without links
+        if policy.recompute_ratio is not None and policy.recompute_ratio >= 1:
+            return None
+        return self.links
+
     def gate(self, method: str) -> "fidelity_gate.GateDecision | None":
         """The fidelity gate's decision for `method` on this model (measured here or shipped), or None."""
         with self._gates_lock:
             if method not in self._gates:
-                self._gates[method] = fidelity_gate.find(self.fingerprint, self.model_name, method)
+                self._gates[method] = fidelity_gate.find(
+                    self.fingerprint, self.model_name, method, dtype=str(self.adapter.dtype).removeprefix("torch."),
+                    links=self.links.digest[:16] if self.links is not None else None)
             return self._gates[method]
 
     def _calibrate_on_first_use(self) -> "fidelity_gate.GateDecision | None":
@@ -454,35 +493,43 @@ class CacheBlendEngine(RequestConveniences):
         """
         cache = self.cache.salted(request.cache_salt)
         with self._lock, torch.inference_mode():
-            fusion = self._fusion_request(request)
-            # counted here, once: a request that retries after a failed read places its chunks again
-            fusion = dataclasses.replace(fusion, opening_recurs=cache.opening_recurs(fusion.prefix_ids))
             policy, decision = request.policy, None
             if request.calibrated_ratio and (decision := self.gate(policy.name)) is not None:
                 policy = dataclasses.replace(policy, recompute_ratio=decision.ratio)  # the model's own ratio
+            fusion = self.fusion_of(request, self.links_for(request, policy, decision))
+            # counted here, once: a request that retries after a failed read places its chunks again
+            fusion = dataclasses.replace(fusion, opening_recurs=cache.opening_recurs(fusion.prefix_ids))
             out = fused_prefill(cache, policy, fusion, store_holes=store_holes,
                                 auto_ratio=self._auto_ratio if request.auto_ratio else None)
             if decision is not None:
                 out.stats = dataclasses.replace(out.stats, fidelity=decision.stats())
+            if self.links is not None:
+                ran = fusion.links is not None
+                out.stats = dataclasses.replace(out.stats, links=fusion.links.describe() if ran else {"ran": False})
             return out
 
-    def _fusion_request(self, request: Request) -> FusionRequest:
-        """The request's token layout and the stored chunks placed in it."""
+    def fusion_of(self, request: Request, links: Links | None = None) -> FusionRequest:
+        """The request's token layout and the stored chunks placed in it, with `links`' rows after the last chunk
+        (none when it carries no chunk)."""
         if request.prompt is not None:
-            return prompt_request(self.tokenizer, self.index, self.resolve_chunk, request.prompt, request.tools,
-                                  context_window=self.context_window, model_name=self.model_name,
-                                  no_match=self._no_match_warning)
-        resolved = [self.resolve_chunk(c, request.cache_salt) for c in request.chunks]
-        prefix, separator, suffix = (request.template or self.template).render(self.tokenizer, request.question,
-                                                                               request.history)
-        layout = assemble(prefix, [c.token_ids for c in resolved], separator, suffix)
-        n = int(layout.token_ids.numel())
+            fusion = prompt_request(self.tokenizer, self.index, self.resolve_chunk, request.prompt, request.tools,
+                                    context_window=self.context_window, model_name=self.model_name,
+                                    no_match=self._no_match_warning)
+        else:
+            resolved = [self.resolve_chunk(c, request.cache_salt) for c in request.chunks]
+            prefix, separator, suffix = (request.template or self.template).render(self.tokenizer, request.question,
+                                                                                   request.history)
+            fusion = FusionRequest(resolved, assemble(prefix, [c.token_ids for c in resolved], separator, suffix))
+        row = after_last_chunk(fusion.layout) if links is not None else None
+        if row is not None:
+            fusion = dataclasses.replace(fusion, layout=insert_rows(fusion.layout, row, links.token_ids), links=links)
+        n = int(fusion.layout.token_ids.numel())
         if n > self.context_window:
             raise PromptTooLongError(
-                f"prompt of {n} tokens ({len(resolved)} chunks) exceeds the model's context window of "
+                f"prompt of {n} tokens ({len(fusion.chunks)} chunks) exceeds the model's context window of "
                 f"{self.context_window} tokens; pass fewer or shorter chunks"
             )
-        return FusionRequest(resolved, layout)
+        return fusion
 
     @property
     def controller(self) -> LoadingController:

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 RATIOS = (0.15, 0.2, 0.3, 0.4, 0.5, 0.7)  # tried in order; the first that meets the target is the model's
 TARGET_KL = 0.05  # mean first-token KL vs full prefill
 MIN_AGREEMENT = 0.9  # share of questions whose top first token is full prefill's
+MIN_KEPT = 0.95  # share of full prefill's right answers (the answerable part) a configuration must keep
+ANSWER_TOKENS = 16  # tokens decoded per answerable question
 FALLBACK_RATIO = 1.0  # a model that meets the target at no ratio tried: every reused row recomputed
 
 
@@ -64,11 +66,20 @@ class GateDecision:
     dtype: str = "bfloat16"
     created: float = 0.0
     source: str = "measured"  # "measured" on this machine, or "shipped" with the package for a packaged model
+    links: str | None = None  # the learned links it runs with (their digest's first 16 hex), or None: without
+    min_kept: float | None = None  # the answerable part's target (None: the decision had no answerable part)
+    kept: float | None = None  # share of full prefill's right answers kept at `ratio` (with `links`)
+
+    @property
+    def key(self) -> str:
+        """Its entry in a packaged model's shipped file: the method, the dtype, and links if it runs with them."""
+        return f"{self.method}@{self.dtype}" + ("+links" if self.links else "")
 
     def stats(self) -> dict[str, Any]:
         """What a request's stats say of it (`stats["fidelity"]`)."""
         return {"ratio": self.ratio, "met": self.met, "target_kl": self.target_kl, "expected_kl": self.expected_kl,
-                "agreement": self.agreement, "source": self.source}
+                "agreement": self.agreement, "source": self.source, "dtype": self.dtype, "links": self.links,
+                "kept": self.kept}
 
     def to_json(self) -> str:
         """The decision as JSON (what `store` writes)."""
@@ -90,27 +101,52 @@ class GateDecision:
 
 
 def calibration_items() -> list[dict]:
-    """The built-in calibration set: [{"question", "passages"}]."""
+    """The built-in calibration set's multi-hop part: [{"question", "passages"}] (first-token KL)."""
     text = resources.files("cacheblend_rag").joinpath("data/calibration.json").read_text(encoding="utf-8")
     return json.loads(text)["items"]
 
 
+def calibration_answerable() -> list[dict]:
+    """Its answerable part: [{"question", "passages", "answers"}], NQ-style (right answers kept)."""
+    text = resources.files("cacheblend_rag").joinpath("data/calibration.json").read_text(encoding="utf-8")
+    return json.loads(text).get("answerable", [])
+
+
+def is_right(answer: str, golds: list[str]) -> bool:
+    """A normalized gold answer is a substring of the normalized reply (the NQ-open convention)."""
+    import re
+    import string
+
+    def norm(text: str) -> str:
+        text = "".join(c for c in text.lower() if c not in string.punctuation)
+        return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+    return any(norm(g) and norm(g) in norm(answer) for g in golds)
+
+
 def calibrate(engine: "CacheBlendEngine", method: str = DEFAULT_METHOD, *, target_kl: float = TARGET_KL,
               min_agreement: float = MIN_AGREEMENT, ratios: tuple[float, ...] = RATIOS,
-              items: list[dict] | None = None, show_progress: bool = True) -> GateDecision:
-    """Measure `method` against full prefill on the calibration set at each ratio in turn, up to the first that
-    meets the target. Runs on a scratch engine over the same model (a memory store: nothing reaches the user's)."""
+              items: list[dict] | None = None, answerable: list[dict] | None = None, min_kept: float = MIN_KEPT,
+              show_progress: bool = True) -> GateDecision:
+    """Measure `method` against full prefill at each ratio in turn (without the engine's links, then with them),
+    up to the first configuration that meets the target: on the multi-hop part, mean first-token KL and agreement;
+    on the answerable part, the share of full prefill's right answers kept. Runs on a scratch engine over the same
+    model (a memory store: nothing reaches the user's)."""
+    from .request import Request
+
     if method not in POLICIES or not takes_ratio(POLICIES[method]):
         raise ConfigError(f"the fidelity gate calibrates a method with a recompute ratio, not {method!r}")
-    if not (target_kl > 0 and math.isfinite(target_kl)) or not 0 < min_agreement <= 1:
-        raise ConfigError(f"target_kl must be > 0 and min_agreement within (0, 1], got {target_kl}, {min_agreement}")
+    if not (target_kl > 0 and math.isfinite(target_kl)) or not 0 < min_agreement <= 1 or not 0 < min_kept <= 1:
+        raise ConfigError(f"target_kl must be > 0, min_agreement and min_kept within (0, 1], got {target_kl}, "
+                          f"{min_agreement}, {min_kept}")
     items = calibration_items() if items is None else items
-    meets = lambda row: row["mean_kl"] <= target_kl and row["agreement"] >= min_agreement  # noqa: E731
+    answerable = calibration_answerable() if answerable is None else answerable
     scratch = type(engine)(engine.model, engine.tokenizer, None, template=engine.template, lead_in=engine.lead_in,
-                           model_name=engine.model_name, prefix_reuse=False)
-    references, tokens = [], []
-    progress = tqdm(total=len(items) * (1 + len(ratios)), desc=f"calibrating {engine.model_name}", unit="prefill",
-                    disable=not show_progress)
+                           model_name=engine.model_name, prefix_reuse=False, links=engine.links)
+    configs = [(r, links) for r in ratios for links in ((False, True) if engine.links is not None else (False,))]
+    references, tokens, right = [], [], []
+    progress = tqdm(total=(len(items) + len(answerable)) * (1 + len(configs)), desc=f"calibrating "
+                    f"{engine.model_name}", unit="prefill", disable=not show_progress)
     with progress:
         for item in items:  # full prefill of each question once: the reference every ratio is held to
             ids = scratch.ingest(item["passages"], show_progress=False)
@@ -119,32 +155,61 @@ def calibrate(engine: "CacheBlendEngine", method: str = DEFAULT_METHOD, *, targe
             references.append((ids, item["question"], full.logits, time.perf_counter() - started))
             tokens.append(full.stats["num_tokens"])
             progress.update()
+        for item in answerable:  # full prefill's right answers: the ones a configuration must keep
+            ids = scratch.ingest(item["passages"], show_progress=False)
+            answer = scratch.generate_request(Request.of(ids, item["question"], "full_prefill",
+                                                         max_new_tokens=ANSWER_TOKENS))
+            right.append((ids, item, is_right(answer.text, item["answers"])))
+            progress.update()
         table: list[dict] = []
-        for ratio in ratios:
-            kls, same, speedups = [], [], []
-            for ids, question, reference, full_s in references:
-                started = time.perf_counter()
-                got = scratch.prefill(ids, question, method, ratio)
-                speedups.append(full_s / (time.perf_counter() - started))
-                kls.append(first_token_kl(reference, got.logits))
-                same.append(int(got.logits.argmax()) == int(reference.argmax()))
-                progress.update()
-            row = {"ratio": ratio, "mean_kl": statistics.fmean(kls), "max_kl": max(kls),
-                   "agreement": sum(same) / len(same), "speedup": statistics.fmean(speedups)}
+        chosen = None
+        for ratio, links in configs:
+            row = _measure(scratch, method, ratio, links, references, right, progress)
             table.append(row)
-            logger.info("calibrate %s %s@%s: mean KL %.4f, agreement %.2f", engine.model_name, method, ratio,
-                        row["mean_kl"], row["agreement"])
-            if meets(row):
+            logger.info("calibrate %s %s@%s%s: mean KL %.4f, agreement %.2f, kept %s", engine.model_name, method,
+                        ratio, "+links" if links else "", row["mean_kl"], row["agreement"], row["kept"])
+            if (row["mean_kl"] <= target_kl and row["agreement"] >= min_agreement
+                    and (row["kept"] is None or row["kept"] >= min_kept)):
+                chosen = row
                 break
-    chosen = table[-1] if meets(table[-1]) else None
     adapter = engine.adapter
     return GateDecision(
         model=engine.model_name, fingerprint=engine.fingerprint, method=method,
         ratio=chosen["ratio"] if chosen else FALLBACK_RATIO, met=chosen is not None, target_kl=target_kl,
         min_agreement=min_agreement, expected_kl=chosen["mean_kl"] if chosen else 0.0,
         agreement=chosen["agreement"] if chosen else 1.0, table=tuple(table), num_questions=len(items),
-        mean_tokens=statistics.fmean(tokens), device=adapter.device.type,
-        dtype=str(adapter.dtype).removeprefix("torch."), created=time.time())
+        mean_tokens=statistics.fmean(tokens) if tokens else 0.0, device=adapter.device.type,
+        dtype=str(adapter.dtype).removeprefix("torch."), created=time.time(),
+        links=engine.links.digest[:16] if chosen and chosen["links"] else None,
+        min_kept=min_kept if answerable else None, kept=(chosen["kept"] if chosen else 1.0) if answerable else None)
+
+
+def _measure(scratch, method: str, ratio: float, links: bool, references, right, progress) -> dict:
+    """One configuration's row: KL, agreement and speed-up on the multi-hop part, right answers kept on the other."""
+    from .request import Request
+
+    kls, same, speedups = [], [], []
+    for ids, question, reference, full_s in references:
+        started = time.perf_counter()
+        got = scratch.prefill_request(Request.of(ids, question, method, ratio, links=links))
+        speedups.append(full_s / (time.perf_counter() - started))
+        kls.append(first_token_kl(reference, got.logits))
+        same.append(int(got.logits.argmax()) == int(reference.argmax()))
+        progress.update()
+    kept = None
+    wanted = [(ids, item) for ids, item, ok in right if ok]
+    if right:
+        held = 0
+        for ids, item in wanted:
+            answer = scratch.generate_request(Request.of(ids, item["question"], method, ratio, links=links,
+                                                         max_new_tokens=ANSWER_TOKENS))
+            held += is_right(answer.text, item["answers"])
+            progress.update()
+        progress.update(len(right) - len(wanted))
+        kept = held / len(wanted) if wanted else 1.0
+    return {"ratio": ratio, "links": links, "mean_kl": statistics.fmean(kls) if kls else 0.0,
+            "max_kl": max(kls, default=0.0), "agreement": sum(same) / len(same) if same else 1.0,
+            "speedup": statistics.fmean(speedups) if speedups else 1.0, "kept": kept}
 
 
 def gate_path(fingerprint: str, method: str) -> Path:
@@ -162,35 +227,46 @@ def store(decision: GateDecision) -> Path:
     return path
 
 
-def find(fingerprint: str, model_name: str, method: str = DEFAULT_METHOD) -> GateDecision | None:
-    """The decision for a model: measured on this machine (by fingerprint), else shipped with the package for a
-    packaged model (by its alias); None when there is none. An unreadable file is logged and skipped."""
+def find(fingerprint: str, model_name: str, method: str = DEFAULT_METHOD, *, dtype: str | None = None,
+         links: str | None = None) -> GateDecision | None:
+    """The decision for a model: measured on this machine (by fingerprint, which binds the dtype), else shipped with
+    the package for a packaged model (by its alias and `dtype`: a decision holds for the dtype it was measured in);
+    one measured with learned links only for an engine with those links (`links`: their digest's first 16 hex).
+    None when there is none. An unreadable file is logged and skipped."""
     from .models.loader import PACKAGED_GGUF
 
-    candidates = [(gate_path(fingerprint, method), None)]
-    if model_name in PACKAGED_GGUF:
-        candidates.append((resources.files("cacheblend_rag").joinpath(f"data/gates/{model_name}.json"), "shipped"))
-    for path, source in candidates:
-        try:
-            if not path.is_file():
+    fits = lambda d: d.links is None or d.links == links  # noqa: E731 - links it was not measured with: not it
+    path = gate_path(fingerprint, method)
+    try:
+        if path.is_file() and fits(decision := GateDecision.from_json(path.read_text(encoding="utf-8"))):
+            return decision
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("the fidelity gate's decision %s is unreadable (%s); skipping it", path, e)
+    if model_name not in PACKAGED_GGUF:
+        return None
+    shipped = resources.files("cacheblend_rag").joinpath(f"data/gates/{model_name}.json")
+    try:
+        if not shipped.is_file():
+            return None
+        entries = json.loads(shipped.read_text(encoding="utf-8"))
+        for key in ([f"{method}@{dtype}+links"] if links else []) + [f"{method}@{dtype}", method]:
+            entry = entries.get(key)
+            if entry is None:
                 continue
-            text = path.read_text(encoding="utf-8")
-            if source == "shipped":  # one file per packaged model: its decisions by method
-                entry = json.loads(text).get(method)
-                if entry is None:
-                    continue
-                text = json.dumps(entry)
-            return GateDecision.from_json(text, source)
-        except (OSError, ValueError, TypeError) as e:
-            logger.warning("the fidelity gate's decision %s is unreadable (%s); skipping it", path, e)
+            decision = GateDecision.from_json(json.dumps(entry), "shipped")
+            if (dtype is None or decision.dtype == dtype) and fits(decision):
+                return decision
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("the fidelity gate's decision %s is unreadable (%s); skipping it", shipped, e)
     return None
 
 
 def ship_into(decision: GateDecision, path: str | os.PathLike[str]) -> Path:
-    """Add a decision to a packaged model's shipped file (`data/gates/<alias>.json`: decisions by method)."""
+    """Add a decision to a packaged model's shipped file (`data/gates/<alias>.json`: decisions by method, dtype and
+    links, `GateDecision.key`; the other entries kept)."""
     path = Path(path)
     entries = json.loads(path.read_text()) if path.is_file() else {}
-    entries[decision.method] = {**asdict(decision), "source": "shipped"}
+    entries[decision.key] = {**asdict(decision), "source": "shipped"}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(entries, indent=1) + "\n")
     return path

@@ -55,8 +55,13 @@ class Request:
     # the caller named no ratio: the engine runs the policy at the model's calibrated one (the fidelity gate,
     # gate.py) where it has one for the method, else at the policy's own
     calibrated_ratio: bool = False
+    # learned links (fuse/links): None runs the engine's where it has them and the method reuses chunk KV; False
+    # turns them off for this request (True asks for them: a ConfigError at the engine if it has none)
+    links: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.links is not None and not isinstance(self.links, bool):
+            raise ConfigError(f"links must be True, False or None (the engine's), got {self.links!r}")
         if (self.prompt is None) == (self.question is None):
             raise ConfigError("a request has a question (with its chunks) or a whole prompt: pass exactly one")
         if not isinstance(self.policy, Policy):
@@ -86,7 +91,8 @@ class Request:
            method: str | Policy = DEFAULT_METHOD, recompute_ratio: float | str | None = None, *,
            prompt: Prompt | None = None, history: Sequence[dict] = (), template: PromptTemplate | None = None,
            sampling: SamplingOptions | None = None, tools: Sequence[dict] | None = None,
-           cache_salt: str | None = None, calibrated_ratio: bool | None = None, **options: Any) -> "Request":
+           cache_salt: str | None = None, calibrated_ratio: bool | None = None, links: bool | None = None,
+           **options: Any) -> "Request":
         """A request from the keywords every surface takes: `max_new_tokens` (or `max_tokens`), `temperature`,
         `top_p`, `stop`, `seed`, `grammar` go to the sampling options (over `sampling=`), every other keyword is an
         option of `method`'s policy, built here once; `recompute_ratio="auto"` leaves the ratio to the engine;
@@ -100,7 +106,7 @@ class Request:
             calibrated_ratio = recompute_ratio is None and isinstance(method, str) and takes_ratio(policy)
         return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
                    policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools),
-                   cache_salt=cache_salt, calibrated_ratio=calibrated_ratio)
+                   cache_salt=cache_salt, calibrated_ratio=calibrated_ratio, links=links)
 
 
 def call_keywords(call: Mapping[str, Any], *, method: str, recompute_ratio: float | str,

@@ -43,6 +43,16 @@ def gates_dir() -> Path:
     return Path(env).expanduser() if env else models_dir() / "gates"
 
 
+ENV_LINKS = "CACHEBLEND_RAG_LINKS"
+
+
+def links_dir() -> Path:
+    """Where links trained on this machine are kept, one file per model weights fingerprint
+    ($CACHEBLEND_RAG_LINKS, else `<models_dir>/links`); `cacheblend-rag train-links` writes there by default."""
+    env = os.environ.get(ENV_LINKS)
+    return Path(env).expanduser() if env else models_dir() / "links"
+
+
 def calibrate_on_first_use(override: bool | None = None) -> bool:
     """Whether loading a model with no fidelity decision measures one (`calibrate=`, else $CACHEBLEND_RAG_CALIBRATE:
     0/false/no/off to only read stored and shipped decisions; default yes)."""

@@ -150,7 +150,7 @@ def test_relevance_token_choice_picks_the_rows_the_question_reads_within_each_bu
     assert picked.stats["cachecraft"]["token_choice"] == "relevance"
 
     policy = make_policy("cachecraft", alpha=0.6, use_focus=False, token_choice="relevance", store_variants=False)
-    fusion = engine._fusion_request(Request.of(order, QUESTION, method=policy))
+    fusion = engine.fusion_of(Request.of(order, QUESTION, method=policy))
     placed = policy.place(engine.cache, fusion)
     seq = engine.cache.sequence(fusion.layout.token_ids, fusion.layout.segment_of_row, placed.placements)
     try:

@@ -157,7 +157,8 @@ def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPa
 
 
 CLI_SECTIONS = {"ingest": "## ingest", "delete": "## ingest", "prune": "## ingest", "ask": "## ask",
-                "plan": "## plan", "profile": "## profile", "calibrate": "## calibrate"}
+                "plan": "## plan", "profile": "## profile", "calibrate": "## calibrate",
+                "train-links": "## train-links"}
 
 
 def test_every_cli_option_is_in_cli_md():

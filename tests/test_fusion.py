@@ -483,7 +483,7 @@ def test_relevance_keeps_the_invariants_and_recomputes_the_rows_the_question_rea
 
     # the reused rows it recomputes are those the question reads most over the stale KV
     policy = make_policy("relevance", 0.3)
-    fusion = engine._fusion_request(Request.of(TEXTS, QUESTION, method=policy))
+    fusion = engine.fusion_of(Request.of(TEXTS, QUESTION, method=policy))
     placed = policy.place(engine.cache, fusion)
     seq = engine.cache.sequence(fusion.layout.token_ids, fusion.layout.segment_of_row, placed.placements)
     try:

@@ -4,6 +4,7 @@ served full prefill's answers, with a warning."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -44,11 +45,11 @@ def test_calibration_picks_the_first_ratio_that_meets_the_target_or_none(model, 
     engine = _engine(model, tokenizer)
     items = gate.calibration_items()[:2]
     easy = gate.calibrate(engine, target_kl=1e9, min_agreement=0.5, ratios=(0.3, 0.5), items=items,
-                          show_progress=False)
+                          answerable=[], show_progress=False)
     assert (easy.ratio, easy.met, [row["ratio"] for row in easy.table]) == (0.3, True, [0.3])
     assert easy.expected_kl == easy.table[0]["mean_kl"] and easy.num_questions == 2 and easy.mean_tokens > 100
     hard = gate.calibrate(engine, target_kl=1e-12, min_agreement=1.0, ratios=(0.3, 0.5), items=items,
-                          show_progress=False)
+                          answerable=[], show_progress=False)
     assert (hard.ratio, hard.met, [row["ratio"] for row in hard.table]) == (1.0, False, [0.3, 0.5])
     assert all(row["mean_kl"] > 1e-12 for row in hard.table)  # measured, not assumed: reuse is approximate here
     assert not models_dir.exists()  # calibrating stores nothing by itself
@@ -59,7 +60,7 @@ def test_calibration_picks_the_first_ratio_that_meets_the_target_or_none(model, 
 def test_a_request_that_names_no_ratio_runs_at_the_models_ratio(model, tokenizer, models_dir):
     engine = _engine(model, tokenizer)
     decision = gate.calibrate(engine, target_kl=1e9, min_agreement=0.5, ratios=(0.5,),
-                              items=gate.calibration_items()[:1], show_progress=False)
+                              items=gate.calibration_items()[:1], answerable=[], show_progress=False)
     path = gate.store(decision)
     assert path.is_file() and path.parent == models_dir / "gates"
     assert gate.find(engine.fingerprint, engine.model_name) == decision
@@ -81,7 +82,7 @@ def test_a_model_that_meets_no_ratio_is_served_full_prefills_answers_with_a_warn
                                                                                     caplog):
     engine = _engine(model, tokenizer)
     gate.store(gate.calibrate(engine, target_kl=1e-12, min_agreement=1.0, ratios=(0.2,),
-                              items=gate.calibration_items()[:1], show_progress=False))
+                              items=gate.calibration_items()[:1], answerable=[], show_progress=False))
     with caplog.at_level(logging.WARNING, logger="cacheblend_rag.engine"):
         served = _engine(model, tokenizer)
     assert "tiny-qwen2" in caplog.text and "at no recompute ratio up to 0.2" in caplog.text
@@ -100,6 +101,8 @@ def test_from_pretrained_calibrates_a_model_on_first_use_only(tokenizer, tmp_pat
     tokenizer.save_pretrained(folder)
     items = gate.calibration_items()[:2]
     monkeypatch.setattr(gate, "calibration_items", lambda: items)
+    few = gate.calibration_answerable()[:2]
+    monkeypatch.setattr(gate, "calibration_answerable", lambda: few)
     first = CacheBlendEngine.from_pretrained(str(folder), device="cpu", dtype="float32")
     decision = first.gate(DEFAULT_METHOD)
     assert decision is not None and decision.source == "measured" and decision.num_questions == 2
@@ -126,7 +129,7 @@ def test_the_environment_moves_the_decisions_and_turns_measuring_off(tokenizer, 
     engine = CacheBlendEngine.from_pretrained(str(folder), device="cpu", dtype="float32")
     assert engine.gate(DEFAULT_METHOD) is None and not (tmp_path / "elsewhere").exists()
     decision = gate.calibrate(engine, target_kl=1e9, min_agreement=0.5, ratios=(0.5,),
-                              items=gate.calibration_items()[:1], show_progress=False)
+                              items=gate.calibration_items()[:1], answerable=[], show_progress=False)
     assert gate.store(decision).parent == tmp_path / "elsewhere" and not models_dir.exists()
     assert CacheBlendEngine.from_pretrained(str(folder), device="cpu", dtype="float32").gate(DEFAULT_METHOD) == decision
     monkeypatch.setenv("CACHEBLEND_RAG_CALIBRATE", "sometimes")
@@ -138,11 +141,57 @@ def test_the_packaged_models_ship_their_decisions():
     """Each packaged model's decision for the default method ships with the package, so a first use measures
     nothing; each names the ratio it met the target at, or the fallback with what it measured."""
     for alias in ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
-        decision = gate.find("no-such-fingerprint", alias)
+        decision = gate.find("no-such-fingerprint", alias, dtype="bfloat16")
         assert decision is not None and decision.source == "shipped" and decision.method == DEFAULT_METHOD
+        assert decision.dtype == "bfloat16"
         assert decision.table and (decision.ratio == decision.table[-1]["ratio"] if decision.met
                                    else decision.ratio == gate.FALLBACK_RATIO)
     assert gate.find("no-such-fingerprint", "/some/local/folder") is None
+    # the default model's decision holds for the dtype it runs in: fp32 (an AVX2-only CPU) has its own
+    fp32 = gate.find("no-such-fingerprint", "smollm2-135m", dtype="float32")
+    assert fp32 is not None and fp32.dtype == "float32" and fp32.kept is not None  # scored on answers too
+    assert gate.find("no-such-fingerprint", "smollm2-135m", dtype="float16") is None  # none shipped: not bf16's
+
+
+def test_a_decision_measured_with_links_serves_only_those_links(model, tokenizer, models_dir):
+    from cacheblend_rag.fuse.links import Links
+    from cacheblend_rag.links_training import initial_links
+
+    engine = _engine(model, tokenizer, links=None)
+    start = initial_links(engine, 4)
+    engine.links = Links(start.embeds * 1.5, start.fingerprint, start.vocab_size)
+    # an easy target met at once: the first configuration tried, without links, then with them
+    decision = gate.calibrate(engine, target_kl=1e9, min_agreement=0.5, ratios=(0.3,),
+                              items=gate.calibration_items()[:1], answerable=[], show_progress=False)
+    assert decision.links is None and [row["links"] for row in decision.table] == [False]
+    stored = dataclasses.replace(decision, links=engine.links.digest[:16])
+    gate.store(stored)
+    assert gate.find(engine.fingerprint, engine.model_name, links=engine.links.digest[:16]) == stored
+    assert gate.find(engine.fingerprint, engine.model_name, links=None) is None  # other (or no) links: not it
+    served = _engine(model, tokenizer, links=engine.links)
+    ids = served.ingest(TEXTS, show_progress=False)
+    out = served.prefill(ids, QUESTION)  # no ratio named: the gate's, with its links
+    assert out.stats["recompute_ratio"] == 0.3 and out.stats["links"]["ran"]
+    gate.store(decision)  # measured without links: requests it decides run without them
+    plain = _engine(model, tokenizer, links=engine.links).prefill(TEXTS, QUESTION)
+    assert plain.stats["recompute_ratio"] == 0.3 and plain.stats["links"] == {"ran": False}
+
+
+def test_the_answerable_part_keeps_full_prefills_right_answers(model, tokenizer, models_dir):
+    """A configuration that loses a right answer of full prefill's does not meet the target, whatever its KL."""
+    engine = _engine(model, tokenizer)
+    full = engine.generate_request(Request.of(TEXTS, QUESTION, "full_prefill", max_new_tokens=gate.ANSWER_TOKENS))
+    words = full.text.split()
+    assert words, "the tiny model answered nothing"
+    answerable = [{"question": QUESTION, "passages": TEXTS, "answers": [" ".join(words)]}]
+    loose = gate.calibrate(engine, target_kl=1e9, min_agreement=0.0001, ratios=(0.0, 1.0),
+                           items=gate.calibration_items()[:1], answerable=answerable, show_progress=False)
+    first = loose.table[0]
+    if first["kept"] == 1.0:  # reuse kept the answer word for word: met at once
+        assert loose.ratio == 0.0 and loose.kept == 1.0
+    else:  # lost it: only full prefill's ratio keeps it
+        assert first["kept"] == 0.0 and loose.ratio == 1.0 and loose.table[1]["kept"] == 1.0
+    assert loose.min_kept == gate.MIN_KEPT
 
 
 def test_every_surface_leaves_an_unnamed_ratio_to_the_gate():

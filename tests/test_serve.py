@@ -166,7 +166,7 @@ def test_documents_are_cached_and_reported_as_cached_tokens(client):
     # no ratio named: the model's own (the fidelity gate's decision shipped for SmolLM2), and the usage says so
     from cacheblend_rag import gate
 
-    decision = gate.find("", MODEL)
+    decision = gate.find("", MODEL, dtype="float32")
     assert stats["fidelity"] == decision.stats() and stats["recompute_ratio"] == decision.ratio
     named = _chat(client, extra_body={"documents": docs, "cacheblend": {"recompute_ratio": 0.15}})
     assert named.usage.model_extra["cacheblend"]["recompute_ratio"] == 0.15

@@ -168,6 +168,17 @@ def _faq_study(p: argparse.ArgumentParser) -> None:
     _behind(p)
 
 
+def _answers_study(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arms", default="full_reuse,relevance@0.15,relevance@0.3,cacheblend@0.15,default",
+                   metavar="ARM,...", help="what runs beside full prefill: method[@ratio][+links] or default (no "
+                   "ratio named: the fidelity gate's choice, with the engine's links); default: full_reuse,"
+                   "relevance@0.15,relevance@0.3,cacheblend@0.15,default")
+    p.add_argument("--passage-words", type=int, default=None,
+                   help="cut each passage to this many words (default: as they are)")
+    p.add_argument("--links", default="auto", metavar="PATH",
+                   help="the engine's links: auto (trained on this machine or shipped), a links file, or none")
+
+
 def _method_ratios(text: str | None) -> tuple[tuple[str, float | None], ...]:
     """`--methods` of `faq`: "method[@ratio],..." → ((method, ratio or None), ...); a bad entry is a usage error."""
     from cacheblend_rag.fuse.policies import POLICIES
@@ -232,6 +243,9 @@ STUDIES: dict[str, tuple[str, object]] = {
     "frames": ("fidelity per entry point: first-token KL vs the model's own forward of each frame's prompt", _behind),
     "faq": ("answer accuracy on a generated FAQ set (one fact per question) in the chat, string and tool (after a retriever tool) frames",
             _faq_study),
+    "answers": ("do right answers stay right: answerable NQ-style (or MuSiQue-style) questions scored against gold, "
+                "each arm (methods, ratios, links, the gate's default) side by side with full prefill",
+                _answers_study),
     "tools": ("tool choice left to the model (auto): the right tool on 6 prompts that need one, none on 3 that "
               "don't; seconds per call", _nothing),
     "conversation": ("4-turn chats: per turn TTFT with stored prefixes, without them, full prefill (and peers)",
@@ -309,6 +323,8 @@ def execute(args: argparse.Namespace) -> dict:
         return _faq(args)
     if args.study == "tools":
         return _tools(args)
+    if args.study == "answers":
+        return _answers(args)
     run = {"methods": _benchmark, "sweep": _benchmark, "breakdown": _breakdown, "decode": _decode,
            "serve-load": _serve_load, "loading": _loading, "trace": _trace, "faults": _shared_tier,
            "shared-tier": _shared_tier, "frames": _frames, "conversation": _conversation, "agent": _agent}
@@ -469,6 +485,35 @@ def _faq(args: argparse.Namespace) -> dict:
     header = (f"{args.limit or 40} FAQ questions, k = {args.k}, pages computed behind the {args.behind}, "
               f"{args.model}, {_dtype(engine)}; {machine()}")
     _print_and_write(args, "faq", header, format_faq(result["summary"]), result)
+    return result
+
+
+def _answers(args: argparse.Namespace) -> dict:
+    """`answers`: accuracy against gold and kept right answers per arm; prints and writes answers.md/json."""
+    from cacheblend_rag.engine import CacheBlendEngine
+    from cacheblend_rag.links_training import examples_from_file
+
+    from .answers import Arm, format_answers, run_answers
+    from .report import machine
+
+    arms = [Arm.parse(a) for a in args.arms.split(",") if a.strip()]
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    links = None if args.links == "none" else args.links
+    engine = CacheBlendEngine.from_pretrained(args.model, kv_store=args.kv_store, device=args.device,
+                                              dtype=args.dtype, home=args.home, lead_in=args.lead_in,
+                                              prefix_reuse=False, links=links)
+    dataset = Path(args.data or args.dataset or "../shared/data/nq_rag_dev.json")
+    examples = examples_from_file(dataset, start=args.skip, limit=args.limit or None, num_passages=args.chunks,
+                                  passage_words=args.passage_words)
+    result = run_answers(engine, examples, arms, max_new_tokens=args.max_new_tokens, show_progress=not args.quiet)
+    links_note = (f"links {engine.links.source} ({engine.links.num_links})" if engine.links is not None
+                  else "no links")
+    header = (f"{len(examples)} questions of {dataset.name} from #{args.skip}, {args.chunks} passages, "
+              f"{args.model}, {_dtype(engine)}, {links_note}, max_new_tokens {args.max_new_tokens}; {machine()}")
+    _print_and_write(args, "answers", header, format_answers(result["summary"]), result)
     return result
 
 

@@ -41,6 +41,7 @@ from ..errors import KVWriteError
 from ..ingest.chunks import Chunk
 from ..models.adapter import LlamaFamilyAdapter, RopeTables
 from ..store import ChunkKV, KVKey, KVStore, LayerReader, ResidentReader, SlicedReader
+from .links import Links
 from .loop import run_layers
 from .policy import Policy, RowSelection
 from .sequence import FusedSequence, Placement
@@ -215,11 +216,12 @@ class ChunkCache:
     # ---- computing ----------------------------------------------------------------------
 
     def sequence(self, token_ids: torch.Tensor, segment_of_row: torch.Tensor,
-                 placements: list[Placement]) -> FusedSequence:
-        """A fused sequence on the model's device, with its cached KV loaded layer by layer."""
+                 placements: list[Placement], links: Links | None = None) -> FusedSequence:
+        """A fused sequence on the model's device, with its cached KV loaded layer by layer (and the learned links
+        whose placeholder rows it carries)."""
         a = self.adapter
         return FusedSequence(token_ids.to(a.device), segment_of_row.to(a.device), placements,
-                             a.num_layers, a.num_kv_heads, a.head_dim, a.dtype, self.prefetch_depth)
+                             a.num_layers, a.num_kv_heads, a.head_dim, a.dtype, self.prefetch_depth, links)
 
     def compute(self, token_ids: torch.Tensor, lead_in: LayerReader | None) -> ChunkKV:
         """KV of `token_ids` prefilled right after the lead-in whose KV is given (or from position 0)."""

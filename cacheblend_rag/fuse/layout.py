@@ -129,3 +129,20 @@ def prompt_layout(token_ids: list[int], parts: list[tuple[int, int]]) -> Layout:
         last = row + n
     return Layout(torch.tensor(token_ids, dtype=torch.long), segments, parts[0][0] if parts else 0,
                   tuple(row for row, _ in parts))
+
+
+def insert_rows(layout: Layout, row: int, token_ids: Sequence[int]) -> Layout:
+    """The layout with `token_ids` inserted as uncached rows at `row` (learned links after the last chunk); chunks
+    at or after `row` move down by their number."""
+    n = len(token_ids)
+    ids = torch.cat([layout.token_ids[:row], torch.tensor(list(token_ids), dtype=torch.long), layout.token_ids[row:]])
+    segments = torch.cat([layout.segment_of_row[:row], torch.full((n,), -1, dtype=torch.long),
+                          layout.segment_of_row[row:]])
+    starts = tuple(s + n if s >= row else s for s in layout.chunk_starts)
+    return Layout(ids, segments, layout.prefix_len + n if layout.prefix_len > row else layout.prefix_len, starts)
+
+
+def after_last_chunk(layout: Layout) -> int | None:
+    """The row right after the last chunk's last row, or None when the layout holds no chunk."""
+    rows = (layout.segment_of_row >= 0).nonzero()
+    return int(rows[-1]) + 1 if rows.numel() else None

@@ -75,7 +75,6 @@ class LoopResult:
     pairs_per_layer: list[int] = field(default_factory=list)  # query-key pairs each layer's attention had to see
 
 
-@torch.inference_mode()
 def run_layers(
     adapter: LlamaFamilyAdapter,
     seq: FusedSequence,
@@ -83,12 +82,21 @@ def run_layers(
     *,
     record_fresh: bool = False,
     num_output_rows: int | None = None,
+    trainable: bool = False,
 ) -> LoopResult:
     """Run every layer over `seq` for the rows in `selection.active`, as the selection narrows them.
 
     With `num_output_rows` n, the last layer attends and runs its MLP for the last n active rows only: the
     other rows' K/V of that layer are all a decoding cache needs, and only the last rows' logits are read.
+    `trainable`: outside inference mode, so a gradient flows back to the sequence's link embeddings (training
+    links; the model's weights stay frozen); otherwise the loop runs under `torch.inference_mode()`.
     """
+    with torch.inference_mode(not trainable):
+        return _run_layers(adapter, seq, selection, record_fresh, num_output_rows)
+
+
+def _run_layers(adapter: LlamaFamilyAdapter, seq: FusedSequence, selection: Selection, record_fresh: bool,
+                num_output_rows: int | None) -> LoopResult:
     num_rows = seq.num_rows
     active = selection.active
     if bool((~seq.cached & ~active).any()):
@@ -96,7 +104,8 @@ def run_layers(
     positions = torch.arange(num_rows, device=seq.token_ids.device)
     rope = adapter.rotary(positions)  # per layer (Gemma 3's local and global layers differ)
     rows = active.nonzero().squeeze(1)
-    hidden = adapter.embed(seq.token_ids[rows])
+    ids = seq.token_ids[rows]
+    hidden = adapter.embed(ids) if seq.links is None else seq.links.embed(adapter.embed, ids)
     # Per row set (it changes only where the policy narrows it): the rows' cos/sin and attention plans.
     row_rope = rope.rows(rows)
     num_reused = int(seq.reused[rows].sum())  # counted when the rows change, not per layer: a GPU sync each

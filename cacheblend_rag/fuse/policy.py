@@ -23,6 +23,7 @@ from .layout import Layout
 from .loop import LayerView, LoopResult, Selection
 
 if TYPE_CHECKING:  # typing only: the cache imports the loop, not the policies
+    from .links import Links
     from ..models.adapter import LlamaFamilyAdapter
     from ..store import KVStore
     from .chunk_cache import ChunkCache
@@ -39,6 +40,8 @@ class FusionRequest:
     # its opening (the text before the first chunk, not the lead-in) came in an earlier request too: an app's own
     # template, whose chunks' KV is worth computing behind it (counted once per request, `ChunkCache.opening_recurs`)
     opening_recurs: bool = False
+    # learned links whose placeholder rows the layout carries after its last chunk (fuse/links), or None
+    links: "Links | None" = None
 
     @property
     def prefix_ids(self) -> list[int]:
@@ -56,6 +59,9 @@ class Policy(ABC):
     # The share of reused rows the method recomputes, if it has one (CacheBlend's is a dataclass field that
     # overrides this). None: no ratio, and recompute_ratio="auto" is refused for the method.
     recompute_ratio: float | None = None
+    # Whether the method places chunk KV computed out of context (what learned links correct); full prefill and
+    # the exact prefix cache do not, so links never run under them.
+    reuses_chunks: ClassVar[bool] = True
 
     @abstractmethod
     def place(self, cache: "ChunkCache", request: FusionRequest) -> "Placements":

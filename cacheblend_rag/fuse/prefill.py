@@ -37,7 +37,7 @@ _EXTRA_READ_ATTEMPTS = 3
 
 SUMMARY_KEYS = ("method", "chunk_hits", "chunk_misses", "num_tokens", "num_reused", "num_recomputed", "fidelity",
                 "num_prefix_rows", "num_chunk_rows", "recompute_ratio_effective", "ttft_s", "num_generated",
-                "recompute_ratio")
+                "recompute_ratio", "links")
 """The stats the integrations copy into their responses' metadata (LangChain, LlamaIndex)."""
 
 
@@ -86,6 +86,7 @@ class RequestStats(Mapping):
     recompute_ratio: float | None = None  # the ratio the policy ran at (the controller's with "auto")
     controller: dict | None = None  # the loading controller's decision, with recompute_ratio="auto"
     fidelity: dict | None = None  # the fidelity gate's decision the ratio came from (a request that named none)
+    links: dict | None = None  # whether learned links ran ({"ran": bool, ...}), on an engine that has links
     num_generated: int | None = None  # after decoding
     # A policy's own report, one entry per name (e.g. "cachecraft", "guard"): from `Placements.report` and the
     # selection's optional `report()`; flattened into the top level of `as_dict()`.
@@ -215,7 +216,7 @@ def _run(cache: ChunkCache, policy: Policy, request: FusionRequest, auto_ratio: 
     load_started = time.perf_counter()
     placed = policy.place(cache, request)
     try:
-        seq = cache.sequence(layout.token_ids, layout.segment_of_row, placed.placements)
+        seq = cache.sequence(layout.token_ids, layout.segment_of_row, placed.placements, request.links)
         kv_open_s = time.perf_counter() - load_started
         decision = None
         if auto_ratio is not None:  # match the recompute of a layer to the load of the next

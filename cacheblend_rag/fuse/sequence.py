@@ -16,6 +16,7 @@ import torch
 
 from ..loading.prefetch import LayerLoader, Placed
 from ..store import LayerReader
+from .links import Links
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class FusedSequence:
     head_dim: int
     dtype: torch.dtype
     prefetch_depth: int = 0  # layers the loader may run ahead of the loop (0: load on demand)
+    links: Links | None = None  # learned links whose placeholder ids some uncached rows carry (fuse/links)
 
     def __post_init__(self) -> None:
         n = self.num_rows
@@ -74,7 +76,7 @@ class FusedSequence:
     def twin(self) -> "FusedSequence":
         """The same rows over the same stored KV, with a loader of its own (for a probe pass before the loop)."""
         return FusedSequence(self.token_ids, self.segment_of_row, self.placements, self.num_layers,
-                             self.num_kv_heads, self.head_dim, self.dtype)
+                             self.num_kv_heads, self.head_dim, self.dtype, links=self.links)
 
     def close(self) -> None:
         """Stop any prefetching and free layers loaded but not taken (the readers are closed by their owner)."""

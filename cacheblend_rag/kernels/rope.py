@@ -23,6 +23,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1·c − x2·s and x2·c + x1·s: a third of the memory traffic of the reference,
     which matters because the loop rotates every cached key of every layer.
     """
+    if x.requires_grad and torch.is_grad_enabled():  # `out=` takes no gradient: training links
+        return apply_rope_reference(x, cos, sin)
     half = x.shape[-1] // 2
     c, s = cos[:, None, :half], sin[:, None, :half]
     x1, x2 = x[..., :half], x[..., half:]

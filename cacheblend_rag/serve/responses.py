@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 
 def usage_of(stats: dict, job: Job, ttft_s: float | None) -> dict:
     """OpenAI's usage, with cached tokens, plus the CacheBlend stats."""
-    prompt = int(stats.get("num_tokens", 0))
+    links = stats.get("links")
+    # the learned links' rows are the engine's, not the client's prompt
+    prompt = int(stats.get("num_tokens", 0)) - int((links or {}).get("num_links", 0))
     completion = int(stats.get("num_generated", 0))
     cached = int(stats.get("num_reused", 0)) + int(stats.get("num_exact_cached", 0))
     hits, misses = list(stats.get("chunk_hits", ())), list(stats.get("chunk_misses", ()))
@@ -53,6 +55,8 @@ def usage_of(stats: dict, job: Job, ttft_s: float | None) -> dict:
         cacheblend["num_retrieved"] = stats["num_retrieved"]
     if stats.get("fidelity") is not None:  # the model's calibrated ratio ran (the fidelity gate)
         cacheblend["fidelity"] = stats["fidelity"]
+    if links is not None:  # the engine has learned links: whether they ran
+        cacheblend["links"] = links
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}, "cacheblend": cacheblend}
 

@@ -18,6 +18,7 @@ class FullPrefill(Policy):
     """Every row, every layer: the reference."""
 
     name: ClassVar[str] = "full_prefill"
+    reuses_chunks: ClassVar[bool] = False
 
     def place(self, cache, request: FusionRequest) -> placement.Placements:
         """Nothing from the cache."""

@@ -16,6 +16,7 @@ class PrefixCache(Policy):
     """Reuse the KV of the exact prefix (system prefix + first chunk), compute the rest."""
 
     name: ClassVar[str] = "prefix_cache"
+    reuses_chunks: ClassVar[bool] = False
 
     def place(self, cache, request: FusionRequest) -> placement.Placements:
         """The exact prefix and the first chunk as it follows it."""
