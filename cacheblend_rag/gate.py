@@ -249,6 +249,7 @@ def find(fingerprint: str, model_name: str, method: str = DEFAULT_METHOD, *, dty
         if not shipped.is_file():
             return None
         entries = json.loads(shipped.read_text(encoding="utf-8"))
+        others = []
         for key in ([f"{method}@{dtype}+links"] if links else []) + [f"{method}@{dtype}", method]:
             entry = entries.get(key)
             if entry is None:
@@ -256,6 +257,10 @@ def find(fingerprint: str, model_name: str, method: str = DEFAULT_METHOD, *, dty
             decision = GateDecision.from_json(json.dumps(entry), "shipped")
             if (dtype is None or decision.dtype == dtype) and fits(decision):
                 return decision
+            others.append(decision)
+        # none for this dtype: another dtype's verdict of full prefill still holds (ratio 1 is exact in any dtype),
+        # a ratio below 1 does not (it is measured again, or the method's own ratio runs)
+        return next((d for d in others if not d.met and d.ratio == FALLBACK_RATIO and d.links is None), None)
     except (OSError, ValueError, TypeError) as e:
         logger.warning("the fidelity gate's decision %s is unreadable (%s); skipping it", shipped, e)
     return None

@@ -151,6 +151,9 @@ def test_the_packaged_models_ship_their_decisions():
     fp32 = gate.find("no-such-fingerprint", "smollm2-135m", dtype="float32")
     assert fp32 is not None and fp32.dtype == "float32" and fp32.kept is not None  # scored on answers too
     assert gate.find("no-such-fingerprint", "smollm2-135m", dtype="float16") is None  # none shipped: not bf16's
+    # ... but another dtype's full prefill holds in any dtype (ratio 1 is exact)
+    qwen = gate.find("no-such-fingerprint", "qwen2.5-coder-1.5b", dtype="float16")
+    assert qwen is not None and qwen.ratio == gate.FALLBACK_RATIO and not qwen.met
 
 
 def test_a_decision_measured_with_links_serves_only_those_links(model, tokenizer, models_dir):

@@ -83,11 +83,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"{engine.model_name}, {method}, {decision.num_questions} questions of ~{decision.mean_tokens:.0f} tokens "
           f"({decision.device}, {decision.dtype}):")
     for row in decision.table:
-        print(f"  ratio {row['ratio']:<5} mean KL {row['mean_kl']:.4f}  max {row['max_kl']:.4f}  "
-              f"top token as full prefill {row['agreement']:.0%}  {row['speedup']:.2f}x full prefill")
+        kept = "" if row.get("kept") is None else f"  right answers kept {row['kept']:.0%}"
+        print(f"  ratio {row['ratio']:<5}{' + links' if row.get('links') else ''} mean KL {row['mean_kl']:.4f}  "
+              f"max {row['max_kl']:.4f}  top token as full prefill {row['agreement']:.0%}{kept}  "
+              f"{row['speedup']:.2f}x full prefill")
     if decision.met:
-        verdict = (f"ratio {decision.ratio} meets mean KL ≤ {target} with {decision.agreement:.0%} agreement: "
-                   "requests that name no ratio run at it")
+        verdict = (f"ratio {decision.ratio}{' with links' if decision.links else ''} meets mean KL ≤ {target} with "
+                   f"{decision.agreement:.0%} agreement" + ("" if decision.kept is None else
+                                                            f" and keeps {decision.kept:.0%} of right answers")
+                   + ": requests that name no ratio run at it")
     else:
         verdict = (f"no ratio tried meets mean KL ≤ {target} with ≥ {agreement:.0%} agreement: requests that name "
                    f"no ratio run at {decision.ratio} (full prefill's answers); name a ratio to trade fidelity "
