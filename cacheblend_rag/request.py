@@ -11,7 +11,7 @@ policy's own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,8 +99,16 @@ class Request:
         if calibrated_ratio is None:
             calibrated_ratio = recompute_ratio is None and isinstance(method, str) and takes_ratio(policy)
         return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
-                   policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools),
+                   policy=policy, auto_ratio=auto, sampling=sampling, tools=_as_tuple(tools),
                    cache_salt=cache_salt, calibrated_ratio=calibrated_ratio)
+
+
+def _as_tuple(items: object) -> object:
+    """A collection's items as a tuple, for `Request` to check; anything else (None, a str, a dict, a number) as
+    it is, for `Request` to refuse with a ConfigError that names it."""
+    if isinstance(items, Iterable) and not isinstance(items, (str, bytes, Mapping)):
+        return tuple(items)
+    return items
 
 
 def call_keywords(call: Mapping[str, Any], *, method: str, recompute_ratio: float | str,

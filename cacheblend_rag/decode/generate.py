@@ -70,6 +70,8 @@ class SamplingOptions:
     def split(cls, options: dict[str, Any], base: "SamplingOptions | None" = None
               ) -> tuple["SamplingOptions", dict[str, Any]]:
         """(sampling options, the rest) from keyword arguments; `max_tokens` is read as `max_new_tokens`."""
+        if base is not None and not isinstance(base, SamplingOptions):
+            raise ConfigError(f"sampling must be SamplingOptions (or None), got {type(base).__name__}")
         names = {f.name for f in fields(cls)}
         ours: dict[str, Any] = {}
         rest: dict[str, Any] = {}
