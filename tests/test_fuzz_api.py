@@ -28,15 +28,14 @@ from fuzzing import fuzz
 # a value of any type and range: what a caller could pass by mistake
 ANY = st.one_of(
     st.none(), st.booleans(), st.integers(), st.integers(2**63, 2**200), st.floats(allow_nan=True),
-    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308]), st.text(st.characters(exclude_categories=()),
-                                                                          max_size=12),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308]),
+    st.text(st.characters(exclude_categories=()), max_size=12),
     st.sampled_from(["auto", "relevance", "cacheblend", "", "0.5", "neighbors", "attention"]), st.binary(max_size=4),
-    st.lists(st.integers(-3, 40), max_size=4), st.tuples(st.integers(-3, 40)), st.dictionaries(st.text(max_size=3),
-                                                                                              st.integers(), max_size=2),
-    st.just(object()), st.just(Request),
+    st.lists(st.integers(-3, 40), max_size=4), st.tuples(st.integers(-3, 40)),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2), st.just(object()), st.just(Request),
 )
-PLAUSIBLE = st.one_of(st.floats(-0.5, 1.5), st.integers(-2, 40), st.booleans(), st.lists(st.integers(-1, 5), max_size=3),
-                      st.sampled_from(["auto", "relevance", "attention", "neighbors", "deviation"]))
+PLAUSIBLE = st.one_of(st.floats(-0.5, 1.5), st.integers(-2, 40), st.booleans(),
+                      st.lists(st.integers(-1, 5), max_size=3), st.sampled_from(["auto", "relevance", "attention", "neighbors", "deviation"]))
 OPTION_NAMES = sorted({f.name for cls in POLICIES.values() for f in dataclasses.fields(cls)} | {"bogus"})
 SAMPLING_NAMES = ["max_new_tokens", "max_tokens", "temperature", "top_p", "stop", "seed", "grammar"]
 
@@ -101,7 +100,8 @@ ENGINE_OPTIONS = {
     "lead_in": st.sampled_from(["prefix", "none", "bos"]) | ANY, "prefetch_depth": st.integers(-2, 4) | ANY,
     "quality_floor": st.floats(-1, 2) | ANY, "max_known_chunks": st.integers(-2, 10) | ANY,
     "kv_codec": st.sampled_from(["fp16", "int8", "cachegen", "auto"]) | ANY,
-    "decoder": st.sampled_from(["kv", "hf"]) | ANY, "prefix_reuse": ANY, "calibrate": ANY.filter(lambda v: v is not True),  # True: a calibration run
+    "decoder": st.sampled_from(["kv", "hf"]) | ANY, "prefix_reuse": ANY,
+    "calibrate": ANY.filter(lambda v: v is not True),  # True would run a calibration: seconds, not a check
     "model_name": ANY, "template": ANY,
     "kv_store": st.sampled_from(["memory", "memory?codec=int8", "memory?codec=nope", "disk:", "redis://",
                                  "redis://127.0.0.1:1/0?prefix=", "nope://x", "memory?codec="]) | ANY
