@@ -35,7 +35,8 @@ ANY = st.one_of(
     st.dictionaries(st.text(max_size=3), st.integers(), max_size=2), st.just(object()), st.just(Request),
 )
 PLAUSIBLE = st.one_of(st.floats(-0.5, 1.5), st.integers(-2, 40), st.booleans(),
-                      st.lists(st.integers(-1, 5), max_size=3), st.sampled_from(["auto", "relevance", "attention", "neighbors", "deviation"]))
+                      st.lists(st.integers(-1, 5), max_size=3),
+                      st.sampled_from(["auto", "relevance", "attention", "neighbors", "deviation"]))
 OPTION_NAMES = sorted({f.name for cls in POLICIES.values() for f in dataclasses.fields(cls)} | {"bogus"})
 SAMPLING_NAMES = ["max_new_tokens", "max_tokens", "temperature", "top_p", "stop", "seed", "grammar"]
 
