@@ -109,6 +109,60 @@ def test_fuzzed_disk_entries_are_served_exactly_or_not_at_all(tmp_path_factory, 
     assert _equal(store.get(OTHER), DiskStore(root).get(OTHER))
 
 
+# ---- the fidelity gate's decisions ------------------------------------------------------------------------------
+
+JSON_VALUE = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                          lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                       max_size=3), max_leaves=6)
+
+
+@st.composite
+def damaged_json(draw, text: str) -> bytes:
+    """A JSON file damaged as bytes (bits flipped, truncated) or as JSON (a field's value swapped for any value,
+    a field removed or added)."""
+    kind = draw(st.sampled_from(["flip", "flip", "truncate", "swap", "swap", "remove", "add"]))
+    raw = text.encode()
+    if kind == "flip":
+        out = bytearray(raw)
+        for _ in range(draw(st.integers(1, 3))):
+            out[draw(st.integers(0, len(out) - 1))] ^= 1 << draw(st.integers(0, 7))
+        return bytes(out)
+    if kind == "truncate":
+        return raw[:draw(st.integers(0, len(raw) - 1))]
+    data = json.loads(text)
+    name = draw(st.sampled_from(sorted(data)))
+    if kind == "swap":
+        data[name] = draw(JSON_VALUE)
+    elif kind == "remove":
+        del data[name]
+    else:
+        data[draw(st.text(max_size=6))] = draw(JSON_VALUE)
+    return json.dumps(data).encode()
+
+
+def _decision(fingerprint: str, method: str, ratio: float):
+    from cacheblend_rag import gate
+
+    return gate.GateDecision(model="tiny", fingerprint=fingerprint, method=method, ratio=ratio, met=ratio < 1,
+                             target_kl=0.05, min_agreement=0.9, expected_kl=0.01, agreement=1.0,
+                             table=({"ratio": ratio, "mean_kl": 0.01, "max_kl": 0.02, "agreement": 1.0},),
+                             num_questions=8, mean_tokens=100.0, created=1.0)
+
+
+@fuzz(quick_examples=200)
+@given(ratio=st.sampled_from([0.15, 0.2, 0.3, 1.0]), data=st.data())
+def test_fuzzed_gate_decisions_are_read_exactly_or_skipped(tmp_path_factory, monkeypatch, ratio, data):
+    from cacheblend_rag import gate, settings
+
+    monkeypatch.setenv(settings.ENV_GATES, str(tmp_path_factory.mktemp("gates")))
+    decision = _decision("f" * 32, "relevance", ratio)
+    path = gate.store(decision)
+    assert gate.find("f" * 32, "tiny") == decision
+    path.write_bytes(data.draw(damaged_json(path.read_text())))
+    found = gate.find("f" * 32, "tiny")
+    assert found is None or found == decision, "a damaged decision was read as another one"
+
+
 # ---- what the fuzzer found (#53), kept as examples -------------------------------------------------------------
 
 
@@ -150,3 +204,24 @@ def test_kv_read_from_a_file_truncated_in_place_afterwards_does_not_kill_the_pro
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_damaged_or_foreign_gate_decision_is_skipped(tmp_path, monkeypatch):
+    from cacheblend_rag import gate, settings
+
+    monkeypatch.setenv(settings.ENV_GATES, str(tmp_path))
+    # the ratio's '2' (0x32) flipped to '3' was read as this model's decision (0.3), as was a string for `met`
+    path = gate.store(_decision("f" * 32, "relevance", 0.2))
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b'"ratio": 0.2,', b'"ratio": 0.3,', 1))
+    assert gate.find("f" * 32, "tiny") is None
+    data = json.loads(raw)
+    del data["checksum"]  # a decision written before checksums: its fields' types are still checked
+    path.write_text(json.dumps({**data, "met": "yes"}))
+    assert gate.find("f" * 32, "tiny") is None
+    path.write_text(json.dumps(data))
+    assert gate.find("f" * 32, "tiny") == _decision("f" * 32, "relevance", 0.2)
+    # another model's decision copied to this model's file name: not this model's
+    other = gate.store(_decision("e" * 32, "relevance", 0.5))
+    os.replace(other, path)
+    assert gate.find("f" * 32, "tiny") is None
