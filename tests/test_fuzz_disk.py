@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -163,6 +164,108 @@ def test_fuzzed_gate_decisions_are_read_exactly_or_skipped(tmp_path_factory, mon
     assert found is None or found == decision, "a damaged decision was read as another one"
 
 
+# ---- the chunk index ------------------------------------------------------------------------------------------
+
+PASSAGES = ["Lyon sits where the Rhone meets the Saone, two rivers of eastern France.",
+            "Granite forms from slowly cooled magma deep underground and is rich in quartz.",
+            "A honeybee colony has one queen, a few hundred drones and many workers."]
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    from conftest import tiny_model
+
+    return tiny_model("llama", len(tokenizer), num_hidden_layers=2), tokenizer
+
+
+@pytest.fixture(scope="module")
+def ingested_folder(tiny, tmp_path_factory) -> tuple[list[str], Path]:
+    """The PASSAGES ingested once into a KV folder (entries and chunk index), copied by each example."""
+    from cacheblend_rag import CacheBlendEngine
+
+    root = tmp_path_factory.mktemp("ingested")
+    engine = CacheBlendEngine(*tiny, root)
+    ids = engine.ingest(PASSAGES, show_progress=False)
+    engine.index._reader.close()  # the WAL checkpointed into the file: a copy is the whole index
+    return ids, root
+
+
+@st.composite
+def index_damage(draw):
+    """A change to the chunk index's SQLite file: its bytes damaged, or rows rewritten by something else (a text
+    edited, an id swapped, a row of an unknown id, rows removed)."""
+    kind = draw(st.sampled_from(["flip", "truncate", "zero", "text", "swap", "unknown", "delete", "garbage"]))
+    return kind, draw(st.integers(0, 2**31)), draw(st.text(min_size=16, max_size=80))
+
+
+def _damage_index(path: Path, kind: str, seed: int, text: str) -> None:
+    import random
+    import sqlite3
+
+    rng = random.Random(seed)
+    if kind in ("flip", "truncate", "zero", "garbage"):
+        for side in path.parent.glob(path.name + "-*"):  # the WAL's pages first: they are the file's too
+            side.unlink()
+        raw = bytearray(path.read_bytes())
+        if kind == "flip":
+            for _ in range(rng.randint(1, 8)):
+                raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        elif kind == "truncate":
+            raw = raw[:rng.randrange(len(raw))]
+        elif kind == "zero":
+            start = rng.randrange(len(raw))
+            raw[start:start + 512] = bytes(len(raw[start:start + 512]))
+        else:
+            raw = bytearray(rng.randbytes(len(raw)))
+        path.write_bytes(bytes(raw))
+        return
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT chunk_id, text FROM chunks ORDER BY rowid").fetchall()
+        (a, a_text), (b, b_text) = rng.sample(rows, 2)
+        if kind == "text":  # a's text edited in place: a prompt holding it must not get a's KV, nor b's
+            db.execute("UPDATE chunks SET text = ?, head = ? WHERE chunk_id = ?", (b_text, b_text[:48], a))
+        elif kind == "swap":
+            db.execute("UPDATE chunks SET chunk_id = 'x' WHERE chunk_id = ?", (a,))
+            db.execute("UPDATE chunks SET chunk_id = ? WHERE chunk_id = ?", (a, b))
+            db.execute("UPDATE chunks SET chunk_id = ? WHERE chunk_id = 'x'", (b,))
+        elif kind == "unknown":
+            db.execute("INSERT INTO chunks VALUES (?, ?, ?)", ("0" * 32, text, text[:48]))
+        else:
+            db.execute("DELETE FROM chunks WHERE chunk_id = ?", (a,))
+
+
+@pytest.mark.model
+@fuzz(quick_examples=40)
+@given(damage=index_damage())
+def test_fuzzed_chunk_index_never_maps_a_text_to_another_chunk(tiny, ingested_folder, tmp_path_factory, damage):
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.engine import CHUNK_INDEX_FILE
+
+    model, tokenizer = tiny
+    ids, ingested = ingested_folder
+    root = tmp_path_factory.mktemp("kv")
+    shutil.copytree(ingested, root, dirs_exist_ok=True)
+    tokens = {cid: tokenizer(text, add_special_tokens=False)["input_ids"] for cid, text in zip(ids, PASSAGES)}
+    _damage_index(root / CHUNK_INDEX_FILE, *damage)
+
+    engine = CacheBlendEngine(model, tokenizer, root)  # a process started after the damage
+    for cid in ids:  # a chunk id still stands for its own tokens, or for nothing
+        chunk = refused(lambda: engine.resolve_chunk(cid))
+        assert chunk is None or (chunk.chunk_id == cid and chunk.token_ids.tolist() == tokens[cid]), cid
+    prompt = f"Notes: {PASSAGES[0]}\n{PASSAGES[1]}\nWhich rivers meet in Lyon?"
+    prefill = engine.prefill_prompt(prompt, max_new_tokens=1)
+    assert set(prefill.chunk_ids) <= set(ids[:2]), prefill.chunk_ids  # only chunks the prompt holds
+
+
+def refused(call):
+    from cacheblend_rag.errors import ChunkError
+
+    try:
+        return call()
+    except ChunkError:
+        return None
+
+
 # ---- what the fuzzer found (#53), kept as examples -------------------------------------------------------------
 
 
@@ -225,3 +328,23 @@ def test_a_damaged_or_foreign_gate_decision_is_skipped(tmp_path, monkeypatch):
     other = gate.store(_decision("e" * 32, "relevance", 0.5))
     os.replace(other, path)
     assert gate.find("f" * 32, "tiny") is None
+
+
+@pytest.mark.model
+def test_a_chunk_index_row_that_is_not_what_was_written_is_skipped(tiny, ingested_folder, tmp_path):
+    import sqlite3
+
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.engine import CHUNK_INDEX_FILE
+
+    # SQLite keeps no checksum of a page: a flipped bit in a text ('colony' read as 'coLony') made the chunk id
+    # of that passage resolve to the damaged text, a chunk of another id and other tokens
+    ids, ingested = ingested_folder
+    shutil.copytree(ingested, tmp_path, dirs_exist_ok=True)
+    with sqlite3.connect(tmp_path / CHUNK_INDEX_FILE) as db:
+        db.execute("UPDATE chunks SET text = replace(text, 'colony', 'coLony') WHERE chunk_id = ?", (ids[2],))
+    engine = CacheBlendEngine(*tiny, tmp_path)
+    assert engine.index.text(ids[2]) is None and engine.index.text(ids[0]) == PASSAGES[0]
+    chunk = engine.resolve_chunk(ids[2])  # from its stored KV's own tokens instead
+    assert chunk.chunk_id == ids[2] and chunk.token_ids.tolist() == \
+        tiny[1](PASSAGES[2], add_special_tokens=False)["input_ids"]
