@@ -266,6 +266,54 @@ def refused(call):
         return None
 
 
+# ---- stored prefixes, end to end --------------------------------------------------------------------------------
+
+TURN_1 = [{"role": "user", "content": "Which rivers meet in Lyon, the city of eastern France?"}]
+
+
+def _turn_2(answer: str) -> list[dict]:
+    return TURN_1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And which is longer?"}]
+
+
+@pytest.fixture(scope="module")
+def stored_prefix(tiny, tmp_path_factory) -> tuple[Path, list[dict], str, str]:
+    """(a KV folder holding turn 1's stored prefix, turn 2's chat, turn 2's answer over that prefix, and over
+    none): a damaged prefix must give one of the two answers."""
+    from cacheblend_rag import CacheBlendEngine
+
+    root = tmp_path_factory.mktemp("prefixes")
+    engine = CacheBlendEngine(*tiny, root / "kv", prefix_store=root / "kv" / "prefixes")
+    engine.ingest(PASSAGES[2:], show_progress=False)  # a chunk entry: a valid file of another key
+    turn_2 = _turn_2(engine.generate_prompt(TURN_1, max_new_tokens=4).text)
+    assert list((root / "kv" / "prefixes").rglob("*.safetensors")), "turn 1 stored no prefix"
+    copy = tmp_path_factory.mktemp("prefixes-copy")
+    shutil.copytree(root, copy, dirs_exist_ok=True)  # turn 2 stores a prefix of its own: answer from a copy
+    over_prefix = CacheBlendEngine(*tiny, copy / "kv", prefix_store=copy / "kv" / "prefixes")
+    with_prefix = over_prefix.generate_prompt(turn_2, max_new_tokens=4)
+    assert with_prefix.stats["num_prefix_rows"] > 0, with_prefix.stats
+    without = CacheBlendEngine(*tiny, prefix_reuse=False).generate_prompt(turn_2, max_new_tokens=4)
+    return root, turn_2, with_prefix.text, without.text
+
+
+@pytest.mark.model
+@fuzz(quick_examples=40)
+@given(data=st.data())
+def test_fuzzed_stored_prefixes_give_the_answer_over_the_prefix_or_over_none(tiny, stored_prefix, tmp_path_factory,
+                                                                              data):
+    from cacheblend_rag import CacheBlendEngine
+
+    root, turn_2, with_prefix, without = stored_prefix
+    folder = tmp_path_factory.mktemp("damaged")
+    shutil.copytree(root, folder, dirs_exist_ok=True)
+    files = sorted((folder / "kv" / "prefixes").rglob("*.safetensors"))
+    path = files[data.draw(st.integers(0, len(files) - 1))]
+    other = sorted(p for p in (folder / "kv").glob("*/*/*.safetensors") if "prefixes" not in p.parts)[0]
+    path.write_bytes(data.draw(damage(path.read_bytes(), other.read_bytes())))
+    engine = CacheBlendEngine(*tiny, folder / "kv", prefix_store=folder / "kv" / "prefixes")
+    answer = engine.generate_prompt(turn_2, max_new_tokens=4).text
+    assert answer in (with_prefix, without), (answer, with_prefix, without)
+
+
 # ---- what the fuzzer found (#53), kept as examples -------------------------------------------------------------
 
 
