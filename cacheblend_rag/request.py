@@ -77,6 +77,8 @@ class Request:
         chunks = self.chunks
         if isinstance(chunks, (str, Chunk)):  # one chunk, never its characters
             chunks = (chunks,)
+        if not isinstance(chunks, Iterable) or isinstance(chunks, (bytes, Mapping)):
+            raise ConfigError(f"chunks must be a list of texts, chunk ids or Chunks, got {type(chunks).__name__}")
         object.__setattr__(self, "chunks", tuple(chunks))
         check_history(self.history)
         object.__setattr__(self, "history", tuple(self.history))

@@ -213,6 +213,8 @@ def test_wrong_types_of_request_and_engine_options_are_config_errors(tiny):
     # each raised an internal error: TypeError (dataclasses.replace, tuple(), `<`) or AttributeError
     with pytest.raises(ConfigError, match="sampling must be SamplingOptions"):
         Request.of(["bee"], "bee?", sampling=True)
+    with pytest.raises(ConfigError, match="chunks must be a list"):  # found by the long profile
+        Request.of(None, "0")
     with pytest.raises(ConfigError, match="tools must be a list"):
         Request.of(prompt=[{"role": "user", "content": "hi"}], tools=False)
     with pytest.raises(ConfigError, match="template must be a PromptTemplate"):
