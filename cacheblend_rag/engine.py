@@ -161,6 +161,8 @@ class CacheBlendEngine(RequestConveniences):
         # r*: recompute_ratio="auto" never goes below it; the engine's own share, checked here (not on first use)
         self.quality_floor = check_ratio(quality_floor, "quality_floor")
         self.home = home
+        if model_name is not None and not isinstance(model_name, str):
+            raise ConfigError(f"model_name must be a string (or None), got {type(model_name).__name__}")
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         self.chunks = ChunkRegistry(max_known_chunks)
         if not isinstance(chunk_index, ChunkIndex):

@@ -221,3 +221,5 @@ def test_wrong_types_of_request_and_engine_options_are_config_errors(tiny):
         CacheBlendEngine(model, tokenizer, template=3)
     with pytest.raises(ConfigError, match="prefetch_depth must be an integer"):
         CacheBlendEngine(model, tokenizer, prefetch_depth="2")
+    with pytest.raises(ConfigError, match="model_name must be a string"):  # found by the long profile
+        CacheBlendEngine(model, tokenizer, model_name=[0])

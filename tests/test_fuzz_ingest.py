@@ -171,3 +171,16 @@ def test_a_json_title_that_is_not_text_is_no_title(tmp_path):
     report = load_paths_report([tmp_path])
     assert [(t.title, t.text) for t in report.texts] == [("", "Bees make wax."), ("", "Hives hold comb."),
                                                          ("1984", "1984")]
+
+
+def test_html_the_stdlib_parser_refuses_is_skipped_not_fatal(tmp_path):
+    from cacheblend_rag.ingest import load_paths_report
+
+    # found by the long profile: html.parser raises AssertionError on an unknown marked section, which left
+    # load_paths_report and stopped the whole folder
+    (tmp_path / "bad.html").write_text("<p>bees</p><![BDATA[x]]>")
+    (tmp_path / "good.txt").write_text("Honeybees have five eyes.")
+    report = load_paths_report([tmp_path])
+    assert [f.name for f in report.files] == ["good.txt"]
+    [skipped] = report.skipped
+    assert Path(skipped.path).name == "bad.html" and "BDATA" in skipped.reason, skipped

@@ -24,6 +24,9 @@ def _number(name: str, value: Any, *, integer: bool = False) -> None:
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# a temperature at or below this decodes greedily: float32 logits divided by it overflow to inf (9.9e-201 is 0 in
+# float32), their softmax is nan, and sampling from it raised RuntimeError (#53); the choice is the argmax anyway
+GREEDY_TEMPERATURE = 1e-30
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class SamplingOptions:
         elif not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
+
+    @property
+    def samples(self) -> bool:
+        """Whether tokens are sampled (a temperature above GREEDY_TEMPERATURE), else the argmax."""
+        return self.temperature > GREEDY_TEMPERATURE
 
     @classmethod
     def split(cls, options: dict[str, Any], base: "SamplingOptions | None" = None
@@ -109,7 +117,7 @@ def build_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor], nu
 def generation_config(tokenizer, settings: SamplingOptions) -> GenerationConfig:
     """An explicit GenerationConfig, so the model's own defaults never change our sampling."""
     eos = tokenizer.eos_token_id
-    sample = settings.temperature > 0
+    sample = settings.samples
     return GenerationConfig(
         max_new_tokens=settings.max_new_tokens,
         do_sample=sample,

@@ -355,9 +355,12 @@ def _html_texts(raw: bytes, source: str, path: Path) -> list[SourceText]:
     if markup is None:
         raise FileSkipped("HTML in an encoding that could not be detected; convert it to UTF-8")
     page = _VisibleText()
-    page.feed(markup)  # one pass, linear in the markup
-    del markup
-    page.close()
+    try:
+        page.feed(markup)  # one pass, linear in the markup
+        del markup
+        page.close()
+    except AssertionError as e:  # the stdlib parser's verdict on some markup (`<![BDATA[`): the file, not the run
+        raise FileSkipped(f"HTML the parser cannot read ({e}); fix the markup or convert it to text") from None
     title = " ".join(t.strip() for t in page.title if t.strip()) if page.title else ""  # as bs4's get_text(" ", strip)
     title = title or path.stem
     body = "\n".join(line.strip() for text in page.lines for line in text.splitlines() if line.strip())
