@@ -366,8 +366,9 @@ def test_fuzzed_variants_are_used_exactly_or_not_at_all(deeper, variant_folder, 
         kv_ids = [row[0] for row in db.execute("SELECT kv_id FROM variants ORDER BY rowid")]
     if kind == "row":
         stored = value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else json.dumps(value)
+        row = data.draw(st.sampled_from(kv_ids))
         with sqlite3.connect(path) as db:
-            db.execute(f"UPDATE variants SET {column} = ? WHERE kv_id = ?", (stored, data.draw(st.sampled_from(kv_ids))))
+            db.execute(f"UPDATE variants SET {column} = ? WHERE kv_id = ?", (stored, row))
     elif kind == "kv":
         files = sorted(p for p in root.glob("*/*/*.safetensors") if p.stem in kv_ids)
         target = files[data.draw(st.integers(0, len(files) - 1))]
