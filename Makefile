@@ -48,7 +48,8 @@ test: install
 	$(PY) -m pytest
 
 # The fuzzers' long profile (tests/fuzzing.py): every surface of tests/test_fuzz_*.py runs new random examples for
-# DURATION seconds; a failure prints its shrunk example and is kept in .hypothesis/ (replayed first next time).
+# DURATION seconds (then finishes its batch); a failure prints its shrunk example and is kept in .hypothesis/
+# (replayed first next time).
 # `make test` runs the quick profile (seeded, a few hundred examples a surface).
 DURATION ?= 600
 fuzz: install

@@ -3,7 +3,8 @@
 - quick (the default, in every pytest run): a fixed seed (`derandomize`), a few hundred examples per surface, no
   example database written; the same examples on every machine, so a red CI is reproducible.
 - long (`make fuzz DURATION=600`, which sets $CACHEBLEND_FUZZ_SECONDS): each surface runs batch after batch of new
-  random examples for that many seconds; failing examples are kept in Hypothesis's database (.hypothesis/ at the
+  random examples for that many seconds (the batch running then finishes: up to LONG_BATCH examples more); failing
+  examples are kept in Hypothesis's database (.hypothesis/ at the
   repository root) and replayed first next time; the shrunk failing example is printed with the seed to reproduce
   it (`@reproduce_failure`).
 """
@@ -52,7 +53,7 @@ def fuzz(quick_examples: int):
             while batches == 0 or time.monotonic() < end:
                 batch(*args, **kwargs)  # a failure raises with the shrunk example printed
                 batches += 1
-            print(f"{test.__name__}: {batches} batches of up to {LONG_BATCH} examples in {seconds:g} s, no failure")
+            print(f"{test.__name__}: {batches} batch(es) of up to {LONG_BATCH} examples in {seconds:g} s, no failure")
 
         return for_the_duration
 
