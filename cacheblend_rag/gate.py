@@ -108,12 +108,14 @@ def _checksum(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
-_FIELD_TYPES = {"str": (str,), "float": (int, float), "bool": (bool,), "int": (int,), "tuple[dict, ...]": (list, tuple)}
+_FIELD_TYPES = {"str": (str,), "float": (int, float), "bool": (bool,), "int": (int,), "tuple[dict, ...]": (list, tuple),
+                "None": (type(None),)}
 
 
 def _of_type(value: Any, annotation: str) -> bool:
-    """Whether a JSON value is of a decision field's type (the annotations are strings: `from __future__`)."""
-    kinds = _FIELD_TYPES[annotation]
+    """Whether a JSON value is of a decision field's type (the annotations are strings, `from __future__`: "float",
+    "str | None", ...); a bool is no number."""
+    kinds = tuple(k for part in annotation.split("|") for k in _FIELD_TYPES[part.strip()])
     return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
 
 
