@@ -9,7 +9,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export ANONYMIZED_TELEMETRY := False
 
-.PHONY: install demo test bench gpu-check qwen-1.5b clean
+.PHONY: install demo test fuzz bench gpu-check qwen-1.5b clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# The fuzzers' long profile (tests/fuzzing.py): every surface of tests/test_fuzz_*.py runs new random examples for
+# DURATION seconds (then finishes its batch); a failure prints its shrunk example and is kept in .hypothesis/
+# (replayed first next time).
+# `make test` runs the quick profile (seeded, a few hundred examples a surface).
+DURATION ?= 600
+fuzz: install
+	CACHEBLEND_FUZZ_SECONDS=$(DURATION) $(PY) -m pytest tests/test_fuzz_*.py -q -s -p no:cacheprovider --durations=0
 
 bench: install
 	$(VENV)/bin/cacheblend-rag bench methods --limit 20 --out bench-results

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
+MAX_SIZE = 2**63  # bytes: larger is a typing mistake
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
 
 
@@ -14,10 +15,13 @@ def parse_size(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 512MiB, 2GiB or 0")
     number, unit, binary, byte = m.groups()
+    value = float(number)
     if unit:
         base = 1024 if (binary or not byte) else 1000
-        number = float(number) * base ** ("kmgt".index(unit.lower()) + 1)
-    return int(float(number))
+        value *= base ** ("kmgt".index(unit.lower()) + 1)
+    if not value <= MAX_SIZE:  # 400 digits read as a float are infinity, which int() cannot take
+        raise argparse.ArgumentTypeError(f"{text!r} is larger than any size this takes (at most 2^63 bytes)")
+    return int(value)
 
 
 def positive_int(text: str) -> int:

@@ -130,6 +130,8 @@ class CacheBlendEngine(RequestConveniences):
         self.adapter = get_adapter(model)
         _check_kv_codec(kv_codec, kv_store)
         self.kv_store: KVStore = open_store(kv_store, codec=kv_codec)
+        if template is not None and not isinstance(template, PromptTemplate):
+            raise ConfigError(f"template must be a PromptTemplate (or None), got {type(template).__name__}")
         self.template = template or PromptTemplate()
         if decoder not in DECODERS:
             raise ConfigError(f"decoder must be one of {DECODERS}, got {decoder!r} (kv: the fast path, hf: HF generate)")
@@ -142,8 +144,8 @@ class CacheBlendEngine(RequestConveniences):
             # A prefetch thread hides loads behind GPU compute; on a CPU it steals cores from the layers
             # (bf16 on 2 cores, cold disk vs memory tier: 1.57× TTFT pipelined vs 1.32× on demand, `cacheblend-rag bench loading`).
             prefetch_depth = 2 if self.adapter.device.type == "cuda" else 0
-        if prefetch_depth < 0:
-            raise ConfigError(f"prefetch_depth must be ≥ 0, got {prefetch_depth}")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ConfigError(f"prefetch_depth must be an integer ≥ 0, got {prefetch_depth!r}")
         self.fingerprint = f"{model_fingerprint(model)}{tokenizer_fingerprint(tokenizer)}"
         self.weights_fingerprint = weights_fingerprint(model, tokenizer)  # the same in every dtype: links' key
         if not isinstance(prefix_reuse, bool):
@@ -162,6 +164,8 @@ class CacheBlendEngine(RequestConveniences):
         # r*: recompute_ratio="auto" never goes below it; the engine's own share, checked here (not on first use)
         self.quality_floor = check_ratio(quality_floor, "quality_floor")
         self.home = home
+        if model_name is not None and not isinstance(model_name, str):
+            raise ConfigError(f"model_name must be a string (or None), got {type(model_name).__name__}")
         self.model_name = model_name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         # learned links (fuse/links): after the last reused chunk, computed with the question (links_for)
         self.links: Links | None = self._check_links(links)

@@ -15,13 +15,14 @@ ratio 1 (full prefill's answers) and a warning says so; naming a ratio (or `"aut
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,22 +83,51 @@ class GateDecision:
                 "kept": self.kept}
 
     def to_json(self) -> str:
-        """The decision as JSON (what `store` writes)."""
-        return json.dumps(asdict(self), indent=1)
+        """The decision as JSON (what `store` writes), with a checksum of its fields (`from_json` checks it)."""
+        fields = asdict(self)
+        return json.dumps({**fields, CHECKSUM: _checksum(fields)}, indent=1)
 
     @classmethod
     def from_json(cls, text: str, source: str | None = None) -> "GateDecision":
-        """A stored decision; ValueError when it is not one."""
+        """A stored decision; ValueError when it is not one: not a JSON object of this class's fields with their
+        types, a checksum that does not match (a decision written since it was added has one; a damaged byte
+        changes it), a method or ratio out of range."""
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
+        checksum = data.pop(CHECKSUM, None)
+        if checksum is not None and checksum != _checksum(data):
+            raise ValueError("its checksum does not match its fields (the file was damaged)")
+        for f in fields(cls):
+            if f.name in data and not _of_type(data[f.name], f.type):
+                raise ValueError(f"{f.name} is {data[f.name]!r}, not {f.type}")
         data["table"] = tuple(data.get("table", ()))
+        if not all(isinstance(row, dict) for row in data["table"]):
+            raise ValueError("table is not a list of objects")
         if source is not None:
             data["source"] = source
         decision = cls(**data)
         if decision.method not in POLICIES or not (0 <= decision.ratio <= 1) or math.isnan(decision.ratio):
             raise ValueError(f"method {decision.method!r} or ratio {decision.ratio!r} out of range")
         return decision
+
+
+CHECKSUM = "checksum"  # the key of a stored decision's checksum of its other fields
+
+
+def _checksum(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+_FIELD_TYPES = {"str": (str,), "float": (int, float), "bool": (bool,), "int": (int,), "tuple[dict, ...]": (list, tuple),
+                "None": (type(None),)}
+
+
+def _of_type(value: Any, annotation: str) -> bool:
+    """Whether a JSON value is of a decision field's type (the annotations are strings, `from __future__`: "float",
+    "str | None", ...); a bool is no number."""
+    kinds = tuple(k for part in annotation.split("|") for k in _FIELD_TYPES[part.strip()])
+    return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
 
 
 def calibration_items() -> list[dict]:
@@ -238,8 +268,12 @@ def find(fingerprint: str, model_name: str, method: str = DEFAULT_METHOD, *, dty
     fits = lambda d: d.links is None or d.links == links  # noqa: E731 - links it was not measured with: not it
     path = gate_path(fingerprint, method)
     try:
-        if path.is_file() and fits(decision := GateDecision.from_json(path.read_text(encoding="utf-8"))):
-            return decision
+        if path.is_file():
+            decision = GateDecision.from_json(path.read_text(encoding="utf-8"))
+            if (decision.fingerprint, decision.method) != (fingerprint, method):
+                raise ValueError(f"it is the decision of {decision.fingerprint}/{decision.method}, not this model's")
+            if fits(decision):
+                return decision
     except (OSError, ValueError, TypeError) as e:
         logger.warning("the fidelity gate's decision %s is unreadable (%s); skipping it", path, e)
     if model_name not in PACKAGED_GGUF:

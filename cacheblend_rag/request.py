@@ -11,7 +11,7 @@ policy's own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,8 @@ class Request:
         chunks = self.chunks
         if isinstance(chunks, (str, Chunk)):  # one chunk, never its characters
             chunks = (chunks,)
+        if not isinstance(chunks, Iterable) or isinstance(chunks, (bytes, Mapping)):
+            raise ConfigError(f"chunks must be a list of texts, chunk ids or Chunks, got {type(chunks).__name__}")
         object.__setattr__(self, "chunks", tuple(chunks))
         check_history(self.history)
         object.__setattr__(self, "history", tuple(self.history))
@@ -105,8 +107,16 @@ class Request:
         if calibrated_ratio is None:
             calibrated_ratio = recompute_ratio is None and isinstance(method, str) and takes_ratio(policy)
         return cls(question=question, chunks=chunks, history=history, template=template, prompt=prompt,
-                   policy=policy, auto_ratio=auto, sampling=sampling, tools=None if tools is None else tuple(tools),
+                   policy=policy, auto_ratio=auto, sampling=sampling, tools=_as_tuple(tools),
                    cache_salt=cache_salt, calibrated_ratio=calibrated_ratio, links=links)
+
+
+def _as_tuple(items: object) -> object:
+    """A collection's items as a tuple, for `Request` to check; anything else (None, a str, a dict, a number) as
+    it is, for `Request` to refuse with a ConfigError that names it."""
+    if isinstance(items, Iterable) and not isinstance(items, (str, bytes, Mapping)):
+        return tuple(items)
+    return items
 
 
 def call_keywords(call: Mapping[str, Any], *, method: str, recompute_ratio: float | str,

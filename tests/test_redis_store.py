@@ -193,7 +193,7 @@ def test_a_flipped_layer_is_a_layer_read_error_and_the_entry_is_deleted(server) 
 
 
 @pytest.mark.parametrize("damage", ["meta_not_json", "meta_huge", "ids_flipped", "field_missing", "other_key",
-                                    "not_a_hash"])
+                                    "not_a_hash", "meta_field_flipped"])
 def test_a_damaged_or_foreign_value_is_a_miss_and_is_deleted(server, damage) -> None:
     store = store_at(server)
     store.put(key(), make_kv())
@@ -216,6 +216,10 @@ def test_a_damaged_or_foreign_value_is_a_miss_and_is_deleted(server, damage) -> 
     elif damage == "not_a_hash":
         client.delete(name)
         client.set(name, b"hello")
+    elif damage == "meta_field_flipped":  # '3' (0x33) to '2': no checksum covered the header (#53)
+        meta = client.hget(name, "meta")
+        assert b'"positions_start":3,' in meta
+        client.hset(name, "meta", meta.replace(b'"positions_start":3,', b'"positions_start":2,'))
     assert not store.contains(key()) and store.reader(key()) is None and store.get(key()) is None
     assert client.exists(name) == 0
 

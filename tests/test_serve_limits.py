@@ -472,7 +472,7 @@ def test_the_grammar_floor_never_exceeds_the_grammar_the_request_builds():
     assert floors[6] is None and floors[8] is None  # a named tool: the built grammar decides; no schema: none
 
 
-def test_a_body_is_read_with_the_errors_fastapi_gave():
+def test_a_body_is_read_with_errors_that_say_what_is_wrong():
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
@@ -484,16 +484,22 @@ def test_a_body_is_read_with_the_errors_fastapi_gave():
             read_body(raw, content_type, ChatCompletionRequest)
         return validation_message(e.value)
 
-    # each as the route gave it when FastAPI read the body (checked against a server of the commit before)
-    assert message(b"{not json") == "invalid request: 1: JSON decode error"
-    assert message(b"") == "invalid request: Field required"
+    # the errors FastAPI gave, each saying what is wrong with the body (#53: "1: JSON decode error" did not)
+    assert message(b"{not json") == \
+        "invalid request: the body is not valid JSON (Expecting property name enclosed in double quotes at character 1)"
+    assert message(b"") == message(b"null") == "invalid request: the body is empty (or null): send a JSON object"
     assert message(b"{not json", None) == \
-        "invalid request: Input should be a valid dictionary or object to extract fields from"
+        "invalid request: the body: Input should be a valid dictionary or object to extract fields from"
     assert message(b'{"model": "m"}', "text/plain") == message(b"[1, 2]")
     assert message(b'{"model": "m"}') == "invalid request: messages: Field required"
     with pytest.raises(HTTPException) as e:
         read_body(b"[" * 100_000 + b"]" * 100_000, "application/json", ChatCompletionRequest)
-    assert e.value.status_code == 400 and e.value.detail == "There was an error parsing the body"
+    assert e.value.status_code == 400 and e.value.detail == \
+        "the body's JSON nests arrays or objects too deeply to parse"
+    with pytest.raises(HTTPException) as e:
+        read_body(b'{"model": "\xff"}', "application/json", ChatCompletionRequest)
+    assert e.value.status_code == 400 and e.value.detail.startswith(
+        "the body is not valid UTF-8 (byte 0xff at offset 11)")
     body = read_body(json.dumps(_chat_body()).encode(), "application/vnd.api+json; charset=utf-8",
                      ChatCompletionRequest)
     assert body.model == MODEL and body.messages[0].text() == "Name a bee."

@@ -16,6 +16,7 @@ from safetensors.torch import save as st_save
 from cacheblend_rag import CacheBlendEngine, ConfigError
 from cacheblend_rag.store import ChunkKV, DiskStore, KVKey, token_ids_digest
 from cacheblend_rag.store.codecs import CODECS, get_codec
+from cacheblend_rag.store.disk import HEADER_CRC, header_crc
 
 from conftest import tiny_model
 
@@ -60,6 +61,8 @@ def _rewrite(path: Path, meta_edit=None, tensor_edit=None) -> None:
         meta_edit(meta)
     if tensor_edit:
         tensor_edit(tensors, meta)
+    if HEADER_CRC in meta:  # a well-formed file: its header checksum matches the edited header
+        meta[HEADER_CRC] = header_crc(meta)
     path.write_bytes(st_save(tensors, meta))
 
 

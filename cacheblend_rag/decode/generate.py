@@ -24,6 +24,9 @@ def _number(name: str, value: Any, *, integer: bool = False) -> None:
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# a temperature at or below this decodes greedily: float32 logits divided by it overflow to inf (9.9e-201 is 0 in
+# float32), their softmax is nan, and sampling from it raised RuntimeError (#53); the choice is the argmax anyway
+GREEDY_TEMPERATURE = 1e-30
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,17 @@ class SamplingOptions:
             raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
         object.__setattr__(self, "stop", tuple(s for s in stop if s))
 
+    @property
+    def samples(self) -> bool:
+        """Whether tokens are sampled (a temperature above GREEDY_TEMPERATURE), else the argmax."""
+        return self.temperature > GREEDY_TEMPERATURE
+
     @classmethod
     def split(cls, options: dict[str, Any], base: "SamplingOptions | None" = None
               ) -> tuple["SamplingOptions", dict[str, Any]]:
         """(sampling options, the rest) from keyword arguments; `max_tokens` is read as `max_new_tokens`."""
+        if base is not None and not isinstance(base, SamplingOptions):
+            raise ConfigError(f"sampling must be SamplingOptions (or None), got {type(base).__name__}")
         names = {f.name for f in fields(cls)}
         ours: dict[str, Any] = {}
         rest: dict[str, Any] = {}
@@ -107,7 +117,7 @@ def build_cache(config, keys: list[torch.Tensor], values: list[torch.Tensor], nu
 def generation_config(tokenizer, settings: SamplingOptions) -> GenerationConfig:
     """An explicit GenerationConfig, so the model's own defaults never change our sampling."""
     eos = tokenizer.eos_token_id
-    sample = settings.temperature > 0
+    sample = settings.samples
     return GenerationConfig(
         max_new_tokens=settings.max_new_tokens,
         do_sample=sample,

@@ -109,7 +109,7 @@ class KVSequence:
                              grammar, pieces=tokenizer is not None)
         self.generated = self.answer.token_ids  # the answer's token ids (one list)
         self.generator = None
-        if settings.seed is not None and settings.temperature > 0:
+        if settings.seed is not None and settings.samples:
             self.generator = torch.Generator(device=decoder.device).manual_seed(settings.seed)
         # the text of the token chosen from the prefill's logits, for the caller to hand out before any step
         self.first_piece = self.accept(self.choose(first_logits)) if first_logits is not None else ""
@@ -152,7 +152,7 @@ class KVSequence:
         s = self.settings
         if self.grammar is not None:  # closes within max_new_tokens when the budget gets tight
             logits = self.grammar.mask(logits, tokens_left=s.max_new_tokens - len(self.generated))
-        if s.temperature <= 0:
+        if not s.samples:
             return int(torch.argmax(logits))
         scores = logits.float() / s.temperature
         if s.top_p < 1.0:  # HF's TopPLogitsWarper: drop the low tail whose mass is ≤ 1 - top_p, keep ≥ 1 token

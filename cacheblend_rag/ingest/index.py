@@ -11,6 +11,7 @@ statement) and, when it did, loads the rows added since (by rowid); rows removed
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import re
 import sqlite3
@@ -20,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .chunks import CHUNK_ID_LEN
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,20 @@ class Scan:
 
     matches: list[Match]
     changed: list[str]
+
+
+def _row_intact(cid: object, head: object, text: object) -> bool:
+    """Whether a row read from the file is one `add` wrote: its id is its text's content hash (`chunk_id` of a
+    normalized text) and its head the text's start. SQLite keeps no checksum of a page: a byte damaged in a text,
+    or a row written by something else, would otherwise map a prompt's text (or a request's chunk id) to another
+    chunk's text."""
+    if not (isinstance(cid, str) and isinstance(head, str) and isinstance(text, str)) or head != text[:HEAD_CHARS]:
+        return False
+    try:
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:CHUNK_ID_LEN]
+    except UnicodeEncodeError:
+        return False
+    return digest == cid
 
 
 class ChunkIndex:
@@ -194,7 +210,11 @@ class ChunkIndex:
             self._rowid = self._rows = 0
             new = db.execute("SELECT rowid, chunk_id, head, text FROM chunks ORDER BY rowid").fetchall()
         for rowid, cid, head, text in new:
-            self._insert(cid, head, text)
+            if _row_intact(cid, head, text):
+                self._insert(cid, head, text)
+            else:
+                logger.warning("chunk index %s: row %d is not what was written (its id is not its text's hash); "
+                               "skipping it", self.path, rowid)
             self._rowid = max(self._rowid, rowid)
         self._rows += len(new)
         self._version = version

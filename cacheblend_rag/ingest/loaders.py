@@ -237,21 +237,41 @@ def _decode(raw: bytes) -> str:
     return text.removeprefix("\ufeff")
 
 
+def _title(value) -> str:
+    """A JSON item's title as text: a string or a number as written; anything else (null, an object) is no title."""
+    if isinstance(value, str):
+        return value
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else ""
+
+
 def _from_json_item(item, source: str) -> list[SourceText]:
     if isinstance(item, str):
         return [SourceText(item, source)]
     if not isinstance(item, dict):
         return []
     if isinstance(item.get("ctxs"), list):  # MuSiQue: one chunk per context passage
-        return [
-            SourceText(f"{c.get('title', '')}\n{c.get('text', '')}".strip(), source, c.get("title", ""), presplit=True)
-            for c in item["ctxs"] if isinstance(c, dict) and (c.get("text") or c.get("title"))
-        ]
+        passages = [(_title(c.get("title")), c.get("text")) for c in item["ctxs"] if isinstance(c, dict)]
+        return [SourceText(f"{title}\n{text if isinstance(text, str) else ''}".strip(), source, title, presplit=True)
+                for title, text in passages if (isinstance(text, str) and text) or title]
     text = item.get("text", item.get("content"))
     if isinstance(text, str):
-        title = str(item.get("title", ""))
+        title = _title(item.get("title"))
         return [SourceText(f"{title}\n{text}" if title else text, source, title)]
     return []
+
+
+def _check_text(texts: list[SourceText]) -> None:
+    """FileSkipped for a text that cannot be written as UTF-8: a lone surrogate, which a JSON escape (\\ud83d
+    without its pair) can hold. Its hash, its tokens and the vector store would all fail on it."""
+    for t in texts:
+        try:
+            t.text.encode("utf-8")
+            t.title.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = ord(e.object[e.start])
+            raise FileSkipped(f"holds text that is not valid Unicode (a lone surrogate U+{bad:04X}, in JSON the "
+                              f"escape \\u{bad:04x} without its pair); remove it or write the character whole") \
+                from None
 
 
 def _parse_json(text: str, where: str = ""):
@@ -335,9 +355,12 @@ def _html_texts(raw: bytes, source: str, path: Path) -> list[SourceText]:
     if markup is None:
         raise FileSkipped("HTML in an encoding that could not be detected; convert it to UTF-8")
     page = _VisibleText()
-    page.feed(markup)  # one pass, linear in the markup
-    del markup
-    page.close()
+    try:
+        page.feed(markup)  # one pass, linear in the markup
+        del markup
+        page.close()
+    except AssertionError as e:  # the stdlib parser's verdict on some markup (`<![BDATA[`): the file, not the run
+        raise FileSkipped(f"HTML the parser cannot read ({e}); fix the markup or convert it to text") from None
     title = " ".join(t.strip() for t in page.title if t.strip()) if page.title else ""  # as bs4's get_text(" ", strip)
     title = title or path.stem
     body = "\n".join(line.strip() for text in page.lines for line in text.splitlines() if line.strip())
@@ -416,6 +439,7 @@ def read_file(path: str | os.PathLike[str]) -> list[SourceText]:
     out = [t for t in out if normalize_text(t.text)]
     if not out:
         raise FileSkipped("empty: no text to ingest", empty=True)
+    _check_text(out)
     return out
 
 

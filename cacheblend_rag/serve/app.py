@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..errors import CacheBlendError
 from .admission import Admission
 from .calls import (
     APIError,
@@ -38,7 +40,7 @@ from .limits import RequestGuard, grammar_floor
 from .metrics import ServerMetrics
 from .responses import Responder
 from .runner import EngineCall, Retriever, make_scheduler
-from .schemas import ChatCompletionRequest, CompletionRequest, _Generation
+from .schemas import ChatCompletionRequest, CompletionRequest, _Generation, openapi_body
 from .tooling import ChatPlan
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,7 @@ logger = logging.getLogger(__name__)
 # 8 MiB of documents is parsed, and requests with small bodies never wait behind one
 INLINE_BODY_BYTES = 64 * 1024
 PARSE_WORKERS = 2
+ANSWERED_WAIT_S = 1.0  # for the connection of a request the HTTP server answered itself to close (_AnsweredAlready)
 
 
 class _CountRequests:
@@ -67,6 +70,44 @@ class _CountRequests:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+class _AnsweredAlready:
+    """ASGI middleware, outermost: a response the HTTP server will not take is dropped, not a failure of the app.
+
+    uvicorn answers a request whose framing is broken (a bad chunk of a chunked body) with its own 400 and closes
+    the connection, while the app may already be answering it from the headers alone (a 401 before the body is
+    read): h11 then refuses the app's response. The client has its answer; without this, the refusal rose through
+    the app as an internal error, logged with a traceback as if the server had failed."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refused: list[BaseException] = []
+
+        async def watched_send(message) -> None:
+            try:
+                await send(message)
+            except Exception as e:
+                refused.append(e)
+                raise
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as e:
+            if not any(e is r for r in refused):  # the app's own failure (or one it made of the refusal): not ours
+                raise
+            logger.debug("the connection took no more of this answer (%s: %s): the server had answered already",
+                         type(e).__name__, e)
+            # uvicorn marks the request done once its connection is gone (a moment later): wait for that, or it
+            # logs an error for an answer the app left unfinished
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ANSWERED_WAIT_S):
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
 
 
 class _Server:
@@ -172,6 +213,13 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), kind, code).response()
 
+    # the package's own errors raised while a body becomes a call (a ConfigError of `Request.of`: an empty question)
+    # are the client's: answered here, not by the handler of last resort below, which answers too but then has
+    # Starlette re-raise the error, logged with its traceback as a server failure
+    @app.exception_handler(CacheBlendError)
+    async def _ours(request: Request, exc: CacheBlendError) -> JSONResponse:
+        return api_error(exc).response()
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         return api_error(exc).response()
@@ -200,13 +248,14 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         return server.model_card()
 
     # the routes read their bodies themselves (`_Server.read`): FastAPI would parse and validate every body on the
-    # event loop, a schema bomb's included, before the route runs
-    @app.post("/v1/chat/completions")
+    # event loop, a schema bomb's included, before the route runs; the OpenAPI document still says what they take
+    served = (config.model_name, *config.model_aliases)
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest, served))
     async def chat_completions(request: Request):
         body, call, plan = await server.read(request, server.chat_request)
         return await server.responder.respond(request, body, call, chat=True, plan=plan)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest, served))
     async def completions(request: Request):
         body, call = await server.read(request, server.completion_request)
         return await server.responder.respond(request, body, call, chat=False)
@@ -219,7 +268,8 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
     app.add_middleware(RequestGuard, api_keys=config.api_keys, open_paths=frozenset({"/health"}), path_keys=path_keys,
                        max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s, refuse=refuse)
     routes = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
-    app.add_middleware(_CountRequests, metrics=server.metrics, routes=routes)  # added last: outermost, counts all
+    app.add_middleware(_CountRequests, metrics=server.metrics, routes=routes)  # outside the guard: counts all
+    app.add_middleware(_AnsweredAlready)  # added last: outermost
     return app
 
 

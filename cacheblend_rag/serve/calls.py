@@ -97,7 +97,9 @@ def read_body(raw: bytes, content_type: str | None, model: type[_Generation]) ->
 
 
 def parse_json(raw: bytes, content_type: str | None) -> Any:
-    """The body's JSON value (the raw bytes when it is not JSON, None when empty), as FastAPI parses it."""
+    """The body's JSON value (the raw bytes when it is not JSON, None when empty), as FastAPI parses it, with
+    errors that say what is wrong with the body: RequestValidationError for JSON that does not parse, a 400 for
+    bytes that are not UTF-8 or nest past what the parser can read."""
     if not raw:
         return None
     if not json_content(content_type):
@@ -107,7 +109,12 @@ def parse_json(raw: bytes, content_type: str | None) -> Any:
     except json.JSONDecodeError as e:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": e.msg}}]) from e
-    except Exception as e:  # not UTF-8, nested past the recursion limit
+    except UnicodeDecodeError as e:
+        raise StarletteHTTPException(400, f"the body is not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset "
+                                     f"{e.start}); send JSON as UTF-8 text") from e
+    except RecursionError as e:
+        raise StarletteHTTPException(400, "the body's JSON nests arrays or objects too deeply to parse") from e
+    except Exception as e:
         raise StarletteHTTPException(400, "There was an error parsing the body") from e
 
 
@@ -122,11 +129,20 @@ def validate_body(data: Any, model: type[_Generation]) -> _Generation:
 
 
 def validation_message(exc: RequestValidationError) -> str:
-    """The 400's message for a body that does not validate: each error's field and what is wrong with it."""
+    """The 400's message for a body that does not validate: each error's field and what is wrong with it (the body
+    itself where no field is at fault: not a JSON object, not JSON at all)."""
     parts = []
     for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            where = err.get("loc", ("body", "?"))[-1]
+            parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'JSON decode error')} at "
+                         f"character {where})")
+            continue
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        if err.get("type") == "missing" and not where:
+            parts.append("the body is empty (or null): send a JSON object")
+        else:
+            parts.append(f"{where or 'the body'}: {err.get('msg')}")
     return "invalid request: " + "; ".join(parts)
 
 

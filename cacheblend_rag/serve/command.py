@@ -125,13 +125,28 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def uvicorn_server(app, config, host: str, port: int, *, verbose: bool = False):
+    """The uvicorn server `serve` runs `app` under (the tests serve through the same one): h11 with a deadline on
+    each request's headers; idle keep-alive connections close after KEEP_ALIVE_S; headers larger than
+    MAX_HEADER_BYTES are refused by h11 (400)."""
+    import uvicorn
+
+    from .limits import header_deadline_protocol
+
+    return uvicorn.Server(uvicorn.Config(
+        app, host=host, port=port, log_level="info" if verbose else "warning",
+        access_log=verbose, timeout_graceful_shutdown=None,  # wait for in-flight requests, however long
+        http=header_deadline_protocol(config.header_timeout_s), timeout_keep_alive=KEEP_ALIVE_S,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+    ))
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Load the engine and serve until stopped; SIGTERM finishes in-flight requests, then exits 0."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the server runs on it (uvicorn_server)
 
         from .app import ServeConfig, create_app
-        from .limits import header_deadline_protocol
     except ImportError as e:
         raise MissingDependencyError(f"serving needs {e.name}: pip install 'cacheblend-rag[serve]'") from e
     from ..engine import CacheBlendEngine
@@ -163,14 +178,7 @@ def run_cli(args: argparse.Namespace) -> int:
     # frozen out of the collector, a full collection walks what requests made since
     gc.collect()
     gc.freeze()
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-        access_log=args.verbose, timeout_graceful_shutdown=None,  # wait for in-flight requests, however long
-        # h11 with a deadline on each request's headers; idle keep-alive connections close after 5 s; headers
-        # larger than 16 KiB are refused by h11 (400)
-        http=header_deadline_protocol(config.header_timeout_s), timeout_keep_alive=KEEP_ALIVE_S,
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-    ))
+    server = uvicorn_server(app, config, args.host, args.port, verbose=args.verbose)
     # uvicorn handles SIGTERM/SIGINT (stop accepting, finish in-flight requests, run the lifespan's shutdown),
     # then raises the signal again for the previous handler; a graceful stop is a clean exit, so ignore it here.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -194,7 +194,7 @@ class _Generation(_Body):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    n: int = 1
+    n: int = Field(default=1, json_schema_extra={"enum": [1]})  # the schema says what the validator below takes
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -389,8 +389,8 @@ class CompletionRequest(_Generation):
     """`POST /v1/completions`."""
 
     prompt: str | list[str]
-    best_of: int | None = None
-    echo: bool = False
+    best_of: int | None = Field(default=None, json_schema_extra={"enum": [1, None]})
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})
 
     @field_validator("prompt")
     @classmethod
@@ -420,3 +420,26 @@ class CompletionRequest(_Generation):
     def new_tokens(self, default: int) -> int:
         """The most tokens to generate (OpenAI's legacy default is 16)."""
         return self.max_tokens or default
+
+
+def openapi_body(model: type[BaseModel], served: tuple[str, ...]) -> dict[str, Any]:
+    """The route's `requestBody` for the app's OpenAPI document (`app.openapi()`): the routes read their bodies
+    themselves (`app._Server.read`), so FastAPI cannot describe them; the model's JSON schema with its definitions
+    written in place, so it stands alone inside the document (Schemathesis fuzzes the server from it), and the
+    names of the model the server serves (`served`) as the only values of `model`."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+    schema["properties"]["model"] = {**schema["properties"]["model"], "enum": list(served)}
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline({**definitions[ref.removeprefix("#/$defs/")], **{k: v for k, v in node.items()
+                                                                                if k != "$ref"}})
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

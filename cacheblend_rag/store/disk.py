@@ -58,6 +58,16 @@ def _crc(t: torch.Tensor) -> str:
     return str(zlib.crc32(t.contiguous().view(torch.uint8).numpy()))
 
 
+HEADER_CRC = "crc.header"
+
+
+def header_crc(meta: dict) -> str:
+    """crc32 of a header's other entries, as sorted JSON: every field a read trusts (positions_start, the codec's
+    parameters) is covered, not only the tensors. Files written before it have none and are read as before."""
+    fields = {k: v for k, v in meta.items() if k != HEADER_CRC}
+    return str(zlib.crc32(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")))
+
+
 _FD_DIR = Path("/proc/self/fd")  # Linux: re-opening /proc/self/fd/N opens the very inode fd N holds
 
 
@@ -328,6 +338,7 @@ class DiskStore(KVStore):
             "positions_start": str(int(kv.positions_start)),
         }
         meta.update({f"crc.{name}": _crc(t) for name, t in tensors.items()})
+        meta[HEADER_CRC] = header_crc(meta)
         return st_save(tensors, meta)
 
     def _serialize_coded(self, key: KVKey, kv: ChunkKV, codec: KVCodec) -> bytes:
@@ -362,6 +373,7 @@ class DiskStore(KVStore):
             "codec_params": json.dumps(codec.params(), sort_keys=True),
         }
         meta.update({f"crc.{name}": _crc(t) for name, t in tensors.items()})
+        meta[HEADER_CRC] = header_crc(meta)
         return st_save(tensors, meta)
 
     # ---- reading and validation -------------------------------------------------------
@@ -409,6 +421,8 @@ class DiskStore(KVStore):
     def _check_meta(self, meta: dict | None, key: KVKey) -> dict:
         if not meta:
             raise _Corrupt("no metadata header")
+        if HEADER_CRC in meta and meta[HEADER_CRC] != header_crc(meta):
+            raise _Corrupt("header checksum mismatch")
         if meta.get("format") != FORMAT or meta.get("format_version") not in (RAW_FORMAT_VERSION, FORMAT_VERSION):
             raise _Corrupt(f"format {short_repr(meta.get('format'))} v{short_repr(meta.get('format_version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:
@@ -447,8 +461,15 @@ class DiskStore(KVStore):
             raise _Corrupt(f"codec {name} v{short_repr(version)} is not readable by this version (v{codec.version})")
         return codec
 
+    @staticmethod
+    def _copied(f, name: str) -> torch.Tensor:
+        """A tensor of the open file, copied out of its memory map before it is checked: a tensor left on the map
+        stays backed by the file, so a file truncated in place later (by a tool, a bad copy) killed the process
+        with SIGBUS at its next use, and a file rewritten in place would serve bytes its crc never saw."""
+        return f.get_tensor(name).clone()
+
     def _tensor(self, f, meta: dict, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        t = f.get_tensor(name)
+        t = self._copied(f, name)
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise _Corrupt(f"{name} is {t.dtype}{tuple(t.shape)}, expected {dtype}{shape}")
         if meta.get(f"crc.{name}") != _crc(t):
@@ -501,7 +522,7 @@ class DiskStore(KVStore):
         if meta["format_version"] == FORMAT_VERSION:
             tensors = {}
             for name in meta["_layers"][layer][0]:
-                t = f.get_tensor(f"{layer}.{name}")
+                t = self._copied(f, f"{layer}.{name}")
                 if meta.get(f"crc.{layer}.{name}") != _crc(t):
                     raise _Corrupt(f"checksum mismatch in {layer}.{name}")
                 tensors[name] = t

@@ -3,7 +3,7 @@
 Layout of an entry, key `{prefix}:{namespace}:{chunk_id}` (a hash, so Redis's LRU evicts it whole):
 
     meta   JSON header: format, version, namespace, chunk_id, kv_digest, shapes, dtype, positions_start,
-           put_id (unique per write), ids_crc32, layer_crc32[num_layers]
+           put_id (unique per write), ids_crc32, layer_crc32[num_layers], meta_crc32 (of the other fields)
     ids    token ids, int64 little-endian
     L{l}   layer l: keys (num_tokens, num_kv_heads, head_dim) then values (num_tokens, num_kv_heads, v_head_dim);
            with a codec (int8, cachegen: version 2, the codec named in meta) the codec's tensors of layer l, one
@@ -50,6 +50,16 @@ MAX_META_BYTES = 256 * 1024  # ours are ~1 kB; a larger header is hostile or for
 _CODEC_DTYPES = {**STORED_DTYPES, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "uint16": torch.uint16,
                  "int32": torch.int32, "int64": torch.int64}
 _INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_dim", "positions_start")
+META_CRC = "meta_crc32"  # over the header's other fields: positions_start, the codec's parameters
+
+
+def _meta_crc(meta: dict) -> int:
+    return zlib.crc32(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _sealed(meta: dict) -> bytes:
+    """The header as stored: its JSON with META_CRC (entries written before it have none and are read as before)."""
+    return json.dumps({**meta, META_CRC: _meta_crc(meta)}, separators=(",", ":")).encode()
 _INT_MAX = 10**9
 _META, _IDS = b"meta", b"ids"
 # Delete the entry only if it is still the version we judged bad (a concurrent put may have replaced it).
@@ -415,7 +425,7 @@ class RedisStore(KVStore):
             "ids_crc32": zlib.crc32(ids),
             "layer_crc32": [zlib.crc32(b) for b in layers],
         }
-        fields = {_META: json.dumps(meta, separators=(",", ":")).encode(), _IDS: ids}
+        fields = {_META: _sealed(meta), _IDS: ids}
         fields.update({_field(i): b for i, b in enumerate(layers)})
         return fields
 
@@ -443,7 +453,7 @@ class RedisStore(KVStore):
             "layer_tensors": tables, "layer_bytes": [len(b) for b in layers],
             "put_id": uuid.uuid4().hex, "ids_crc32": zlib.crc32(ids), "layer_crc32": [zlib.crc32(b) for b in layers],
         }
-        fields = {_META: json.dumps(meta, separators=(",", ":")).encode(), _IDS: ids}
+        fields = {_META: _sealed(meta), _IDS: ids}
         fields.update({_field(i): b for i, b in enumerate(layers)})
         return fields
 
@@ -490,6 +500,8 @@ class RedisStore(KVStore):
             raise _Corrupt(f"header is not JSON ({e})") from None
         if not isinstance(meta, dict):
             raise _Corrupt("header is not an object")
+        if META_CRC in meta and meta.pop(META_CRC) != _meta_crc(meta):
+            raise _Corrupt("header checksum mismatch")
         if meta.get("format") != FORMAT or meta.get("version") not in (FORMAT_VERSION, CODED_VERSION):
             raise _Corrupt(f"format {short_repr(meta.get('format'))} v{short_repr(meta.get('version'))}")
         if meta.get("namespace") != key.namespace or meta.get("chunk_id") != key.chunk_id:

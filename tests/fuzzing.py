@@ -1,0 +1,60 @@
+"""The two fuzz profiles every `tests/test_fuzz_*.py` surface runs under, chosen by one environment variable.
+
+- quick (the default, in every pytest run): a fixed seed (`derandomize`), a few hundred examples per surface, no
+  example database written; the same examples on every machine, so a red CI is reproducible.
+- long (`make fuzz DURATION=600`, which sets $CACHEBLEND_FUZZ_SECONDS): each surface runs batch after batch of new
+  random examples for that many seconds (the batch running then finishes: up to LONG_BATCH examples more); failing
+  examples are kept in Hypothesis's database (.hypothesis/ at the
+  repository root) and replayed first next time; the shrunk failing example is printed with the seed to reproduce
+  it (`@reproduce_failure`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+ENV_SECONDS = "CACHEBLEND_FUZZ_SECONDS"
+REPO = Path(__file__).resolve().parents[1]
+DATABASE = REPO / ".hypothesis" / "examples"
+LONG_BATCH = 500  # examples per batch of the long profile: each batch starts from a new seed
+# the fuzzed surfaces are slow for Hypothesis's taste (a server round trip, a file written and read): expected
+SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+                HealthCheck.function_scoped_fixture, HealthCheck.large_base_example]
+
+
+def fuzz_seconds() -> float | None:
+    """Seconds per surface of the long profile, or None for the quick one."""
+    value = os.environ.get(ENV_SECONDS, "").strip()
+    return float(value) if value else None
+
+
+def fuzz(quick_examples: int):
+    """Decorator over a `@given` test: `quick_examples` seeded examples, or the long profile's batches."""
+    seconds = fuzz_seconds()
+
+    def wrap(test):
+        if seconds is None:
+            return settings(max_examples=quick_examples, derandomize=True, database=None, deadline=None,
+                            suppress_health_check=SLOW_IS_FINE, print_blob=False)(test)
+        batch = settings(max_examples=LONG_BATCH, derandomize=False, database=DirectoryBasedExampleDatabase(DATABASE),
+                         deadline=None, suppress_health_check=SLOW_IS_FINE, print_blob=True,
+                         verbosity=Verbosity.normal, phases=tuple(Phase))(test)
+
+        @functools.wraps(batch)
+        def for_the_duration(*args, **kwargs):
+            end = time.monotonic() + seconds
+            batches = 0
+            while batches == 0 or time.monotonic() < end:
+                batch(*args, **kwargs)  # a failure raises with the shrunk example printed
+                batches += 1
+            print(f"{test.__name__}: {batches} batch(es) of up to {LONG_BATCH} examples in {seconds:g} s, no failure")
+
+        return for_the_duration
+
+    return wrap

@@ -1,0 +1,225 @@
+"""The Python API and the CLI's arguments under a property-based fuzzer (issue #53): `Request.of` with any keywords,
+the policies' options, the engine's own options, the store specs, and every subcommand's arguments.
+
+The property: a value the package takes builds what was asked; any other is refused with one of the package's
+errors (`CacheBlendError`: `ConfigError`, `ChunkError`, ...) whose message is not empty — never a TypeError,
+KeyError, OverflowError or any other internal error. On the command line: a parse or an `error:` line with exit 2,
+never a traceback. Profiles: tests/fuzzing.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cacheblend_rag import Request
+from cacheblend_rag.errors import CacheBlendError
+from cacheblend_rag.fuse.policies import POLICIES, make_policy
+
+from fuzzing import fuzz
+
+# a value of any type and range: what a caller could pass by mistake
+ANY = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(2**63, 2**200), st.floats(allow_nan=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308]),
+    st.text(st.characters(exclude_categories=()), max_size=12),
+    st.sampled_from(["auto", "relevance", "cacheblend", "", "0.5", "neighbors", "attention"]), st.binary(max_size=4),
+    st.lists(st.integers(-3, 40), max_size=4), st.tuples(st.integers(-3, 40)),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2), st.just(object()), st.just(Request),
+)
+PLAUSIBLE = st.one_of(st.floats(-0.5, 1.5), st.integers(-2, 40), st.booleans(),
+                      st.lists(st.integers(-1, 5), max_size=3),
+                      st.sampled_from(["auto", "relevance", "attention", "neighbors", "deviation"]))
+OPTION_NAMES = sorted({f.name for cls in POLICIES.values() for f in dataclasses.fields(cls)} | {"bogus"})
+SAMPLING_NAMES = ["max_new_tokens", "max_tokens", "temperature", "top_p", "stop", "seed", "grammar"]
+
+
+def refused_cleanly(call) -> object:
+    """What `call()` returns, or None when it raised one of the package's errors with a message."""
+    try:
+        return call()
+    except CacheBlendError as e:
+        assert str(e).strip(), repr(e)
+        return None
+
+
+@st.composite
+def request_keywords(draw) -> dict:
+    kw: dict = {}
+    shape = draw(st.sampled_from(["chunks", "prompt", "chat", "anything"]))
+    if shape == "chunks":
+        kw["chunks"] = draw(st.one_of(st.lists(st.text(max_size=20), max_size=3), st.text(max_size=20), ANY))
+        kw["question"] = draw(st.one_of(st.text(st.characters(exclude_categories=()), max_size=20), ANY))
+    elif shape == "prompt":
+        kw["prompt"] = draw(st.one_of(st.text(st.characters(exclude_categories=()), max_size=20), ANY))
+    elif shape == "chat":
+        message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool"]) | ANY,
+                                         "content": st.text(max_size=10) | ANY},
+                                        optional={"tool_calls": ANY | st.lists(ANY, max_size=2)})
+        kw["prompt"] = draw(st.lists(message, max_size=3))
+        if draw(st.booleans()):
+            kw["tools"] = draw(st.one_of(ANY, st.lists(st.one_of(ANY, st.just(
+                {"type": "function", "function": {"name": "f", "parameters": {}}})), max_size=2)))
+    for name in draw(st.lists(st.sampled_from(["method", "recompute_ratio", "history", "template", "cache_salt",
+                                               "calibrated_ratio", "sampling"]), max_size=3, unique=True)):
+        kw[name] = draw(ANY | st.sampled_from(sorted(POLICIES)) if name == "method" else ANY)
+    for name in draw(st.lists(st.sampled_from(SAMPLING_NAMES + OPTION_NAMES), max_size=3, unique=True)):
+        kw[name] = draw(PLAUSIBLE | ANY)
+    return kw
+
+
+@fuzz(quick_examples=400)
+@given(kw=request_keywords())
+def test_fuzzed_request_keywords_build_a_request_or_a_clear_error(kw):
+    request = refused_cleanly(lambda: Request.of(**kw))
+    assert request is None or isinstance(request, Request)
+
+
+@fuzz(quick_examples=300)
+@given(method=st.sampled_from(sorted(POLICIES)) | ANY, ratio=st.floats(-1, 2) | ANY,
+       options=st.dictionaries(st.sampled_from([n for n in OPTION_NAMES if n != "recompute_ratio"]), PLAUSIBLE | ANY,
+                               max_size=3))
+def test_fuzzed_policy_options_build_a_policy_or_a_clear_error(method, ratio, options):
+    refused_cleanly(lambda: make_policy(method, ratio, **options))
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    from conftest import tiny_model
+
+    return tiny_model("llama", len(tokenizer), num_hidden_layers=2), tokenizer
+
+
+ENGINE_OPTIONS = {
+    "lead_in": st.sampled_from(["prefix", "none", "bos"]) | ANY, "prefetch_depth": st.integers(-2, 4) | ANY,
+    "quality_floor": st.floats(-1, 2) | ANY, "max_known_chunks": st.integers(-2, 10) | ANY,
+    "kv_codec": st.sampled_from(["fp16", "int8", "cachegen", "auto"]) | ANY,
+    "decoder": st.sampled_from(["kv", "hf"]) | ANY, "prefix_reuse": ANY,
+    "calibrate": ANY.filter(lambda v: v is not True),  # True would run a calibration: seconds, not a check
+    "model_name": ANY, "template": ANY,
+    "kv_store": st.sampled_from(["memory", "memory?codec=int8", "memory?codec=nope", "disk:", "redis://",
+                                 "redis://127.0.0.1:1/0?prefix=", "nope://x", "memory?codec="]) | ANY
+    | st.lists(st.sampled_from(["memory", "memory?codec=int8", "bogus", ""]), max_size=3),
+}
+
+
+@pytest.mark.model
+@fuzz(quick_examples=150)
+@given(options=st.fixed_dictionaries({}, optional=ENGINE_OPTIONS))
+def test_fuzzed_engine_options_build_an_engine_or_a_clear_error(tiny, options):
+    from cacheblend_rag import CacheBlendEngine
+
+    model, tokenizer = tiny
+    # a store spec naming a folder would write there: the fuzzer's folders are refused or in memory
+    if isinstance(options.get("kv_store"), (str, bytes)) and not str(options["kv_store"]).startswith(
+            ("memory", "redis", "nope", "disk:")):
+        options["kv_store"] = None
+    refused_cleanly(lambda: CacheBlendEngine(model, tokenizer, **options))
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    from cacheblend_rag.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+SUBCOMMANDS = _subcommands()
+JUNK = st.one_of(st.sampled_from(["", " ", "--", "-", "\x00", "auto", "memory", "disk:", "redis://", "cpu", "cuda:9"]),
+                 st.text(st.characters(exclude_categories=("Cs",)), max_size=12))
+# the far ends first: Hypothesis draws the first entries of a list most often
+NUMBERS = st.sampled_from(["9" * 400, "1e999", "nan", "inf", "-inf", "-1", "0", "1", "0.5", "1.5", "0x10", "1_000",
+                           " 3", "99999999999999999999"])
+SIZES = st.sampled_from(["9" * 400, "99999999999999999999T", "nanGiB", "-1KiB", "0", "1", "1023", "512MiB", "1.5G",
+                         "300MB", "1e3", "12 kib", "8MiB "])
+
+
+def _values(action: argparse.Action):
+    """Values for one option: near what its type takes (its choices, numbers, sizes), or anything."""
+    if action.choices:
+        return st.sampled_from([str(c) for c in action.choices]) | JUNK
+    kind = getattr(action.type, "__name__", "")
+    if "size" in kind:
+        return SIZES
+    if action.type is not None and action.type is not str:
+        return NUMBERS
+    return JUNK | NUMBERS
+
+
+@st.composite
+def argv(draw) -> list[str]:
+    command = draw(st.sampled_from(sorted(SUBCOMMANDS)))
+    actions = [a for a in SUBCOMMANDS[command]._actions if a.option_strings and "-h" not in a.option_strings]
+    out = [command]
+    for _ in range(draw(st.integers(0, 6))):
+        if actions and draw(st.integers(0, 3)):
+            action = draw(st.sampled_from(actions))
+            out.append(draw(st.sampled_from(action.option_strings)))
+            if action.nargs != 0:
+                out.append(draw(_values(action)))
+        else:
+            out.append(draw(JUNK))  # a positional argument, or one too many
+    return out
+
+
+@fuzz(quick_examples=300)
+@given(args=argv())
+def test_fuzzed_command_lines_parse_or_exit_2_with_an_error_line(args):
+    """Parsing alone (a parse runs no command: `serve` would serve, `ingest` ingest): every option's type is
+    checked by the parser, an argument out of range is an `error:` line and exit 2."""
+    from cacheblend_rag.cli import build_parser
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            build_parser().parse_known_args(args)
+        except SystemExit as e:
+            assert e.code in (0, 2), (e.code, stderr.getvalue())
+            if e.code == 2:
+                assert stderr.getvalue().startswith("error: "), stderr.getvalue()
+    assert "Traceback" not in stderr.getvalue()
+
+
+# ---- what the fuzzer found (#53), kept as examples -------------------------------------------------------------
+
+
+def test_a_size_too_large_for_a_float_is_an_error_line():
+    from cacheblend_rag.cli import build_parser
+
+    # 400 digits read as float are infinity: int() raised OverflowError, a traceback instead of exit 2
+    for args in (["ingest", "x", "--memory-budget", "9" * 400], ["serve", "--max-body-bytes", "99999999999T"]):
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as e:
+            build_parser().parse_known_args(args)
+        assert e.value.code == 2 and "larger than any size" in stderr.getvalue(), stderr.getvalue()
+
+
+def test_wrong_types_of_request_and_engine_options_are_config_errors(tiny):
+    from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.errors import ConfigError
+
+    model, tokenizer = tiny
+    # each raised an internal error: TypeError (dataclasses.replace, tuple(), `<`) or AttributeError
+    with pytest.raises(ConfigError, match="sampling must be SamplingOptions"):
+        Request.of(["bee"], "bee?", sampling=True)
+    with pytest.raises(ConfigError, match="chunks must be a list"):  # found by the long profile
+        Request.of(None, "0")
+    with pytest.raises(ConfigError, match="tools must be a list"):
+        Request.of(prompt=[{"role": "user", "content": "hi"}], tools=False)
+    with pytest.raises(ConfigError, match="template must be a PromptTemplate"):
+        CacheBlendEngine(model, tokenizer, template=3)
+    with pytest.raises(ConfigError, match="prefetch_depth must be an integer"):
+        CacheBlendEngine(model, tokenizer, prefetch_depth="2")
+    with pytest.raises(ConfigError, match="model_name must be a string"):  # found by the long profile
+        CacheBlendEngine(model, tokenizer, model_name=[0])
