@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import random
+import re
 import sqlite3
 import tempfile
 import threading
@@ -65,6 +66,9 @@ def token_digest(token_ids: torch.Tensor | Sequence[int]) -> str:
     """sha256 (32 hex) of a token id sequence: the identity of the tokens a variant was computed after."""
     ids = token_ids.cpu() if isinstance(token_ids, torch.Tensor) else torch.tensor(list(token_ids))
     return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest()[:32]
+
+
+_VARIANT_KV_ID = re.compile(r"^var-[0-9a-f]{32}$")  # what `variant_kv_id` makes: a row naming anything else is skipped
 
 
 def variant_kv_id(chunk_id: str, lead_digest: str) -> str:
@@ -206,7 +210,7 @@ class VariantStore:
         for row in rows:
             try:
                 out.append(_parse(chunk_id, row))
-            except (ValueError, TypeError, KeyError) as e:
+            except (ValueError, TypeError, KeyError, OverflowError) as e:  # 1e309 in an integer column: inf
                 logger.info("skipping an unreadable variant row of chunk %s (%s)", chunk_id, e)
         return out
 
@@ -305,8 +309,10 @@ def _parse(chunk_id: str, row: tuple) -> Variant:
     rank = json.loads(ranking)
     if (not isinstance(ctx, list) or not all(isinstance(c, str) for c in ctx) or not isinstance(inter_d, dict)
             or not isinstance(rank, list) or not all(isinstance(r, int) for r in rank)
-            or not isinstance(kv_id, str) or int(num_tokens) <= 0):
+            or not isinstance(kv_id, str) or not _VARIANT_KV_ID.match(kv_id) or int(num_tokens) <= 0):
         raise ValueError("malformed fields")
+    if not all(math.isfinite(float(x)) for x in (num_tokens, intra, nbytes, f_r)):
+        raise ValueError("non-finite fields")
     inter_f = {str(k): float(v) for k, v in inter_d.items()}
     if any(not math.isfinite(v) for v in inter_f.values()) or not math.isfinite(float(cci_value)):
         raise ValueError("non-finite attention")
