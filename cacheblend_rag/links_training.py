@@ -22,7 +22,8 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,45 +177,46 @@ def train(engine: "CacheBlendEngine", teachers: Sequence[Teacher], *, links: Lin
     if optimizer_state is not None:
         opt.load_state_dict(optimizer_state)
     current = dataclasses.replace(links, embeds=param)
-    frozen = [p for p in engine.model.parameters() if p.requires_grad]
-    for p in frozen:  # the model stays frozen: no gradient is computed for its weights
+    order = list(range(len(teachers)))
+    log: dict[str, Any] = {"losses": [], "step_s": []}
+    bar = tqdm(range(start_step, steps), desc="train links", unit="step", disable=not show_progress,
+               initial=start_step, total=steps)
+    with _frozen_weights(engine.model):
+        for step in bar:
+            if step % len(order) == 0 or step == start_step:  # a new seeded order each pass
+                rng = random.Random(seed + step // len(order))
+                rng.shuffle(order)
+            teacher = teachers[order[step % len(order)]]
+            started = time.perf_counter()
+            loss = distill_loss(student_logits(engine, current, teacher, method, recompute_ratio), teacher)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            log["step_s"].append(time.perf_counter() - started)
+            log["losses"].append(float(loss.detach()))
+            window = log["losses"][-25:]
+            bar.set_postfix(kl=f"{sum(window) / len(window):.3f}")
+            if on_step is not None:
+                on_step(step, log["losses"][-1])
+            if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
+                save_checkpoint(checkpoint, _snapshot(links, param, step + 1), opt.state_dict(), step + 1)
+    return _snapshot(links, param, steps), log
+
+
+@contextmanager
+def _frozen_weights(model) -> Iterator[None]:
+    """The model's weights take no gradient inside (training links), and are handed back as they came."""
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
         p.requires_grad_(False)
     try:
-        return _train_steps(engine, teachers, links, current, param, opt, steps, method, recompute_ratio, seed,
-                            checkpoint, checkpoint_every, start_step, show_progress, on_step)
+        yield
     finally:
         for p in frozen:
             p.requires_grad_(True)
 
 
-def _train_steps(engine, teachers, links, current, param, opt, steps, method, recompute_ratio, seed, checkpoint,
-                 checkpoint_every, start_step, show_progress, on_step) -> tuple[Links, dict[str, Any]]:
-    order = list(range(len(teachers)))
-    log: dict[str, Any] = {"losses": [], "step_s": []}
-    bar = tqdm(range(start_step, steps), desc="train links", unit="step", disable=not show_progress,
-               initial=start_step, total=steps)
-    for step in bar:
-        if step % len(order) == 0 or step == start_step:
-            rng = random.Random(seed + step // len(order))
-            rng.shuffle(order)
-        teacher = teachers[order[step % len(order)]]
-        started = time.perf_counter()
-        loss = distill_loss(student_logits(engine, current, teacher, method, recompute_ratio), teacher)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        log["step_s"].append(time.perf_counter() - started)
-        log["losses"].append(float(loss.detach()))
-        window = log["losses"][-25:]
-        bar.set_postfix(kl=f"{sum(window) / len(window):.3f}")
-        if on_step is not None:
-            on_step(step, log["losses"][-1])
-        if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            save_checkpoint(checkpoint, _frozen(links, param, step + 1), opt.state_dict(), step + 1)
-    return _frozen(links, param, steps), log
-
-
-def _frozen(links: Links, param: torch.Tensor, steps_done: int) -> Links:
+def _snapshot(links: Links, param: torch.Tensor, steps_done: int) -> Links:
     recipe = dict(links.recipe, steps=steps_done)
     return Links(param.detach().float().cpu().clone(), links.fingerprint, links.vocab_size, recipe)
 

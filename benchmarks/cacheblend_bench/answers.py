@@ -10,14 +10,15 @@ mean first-token KL and the TTFT speed-up over full prefill (its summed TTFT ove
 
 from __future__ import annotations
 
-import re
 import statistics
-import string
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
+
+from cacheblend_rag.gate import is_right  # the gate's own scoring: a normalized gold answer inside the reply
+
+from .metrics import token_f1
 
 REFERENCE = "full_prefill"
 
@@ -51,31 +52,6 @@ class Arm:
             return cls(label, method, float(ratio) if ratio else None, links)
         except ValueError:
             raise ValueError(f"--arms: {label!r}: the ratio after @ must be a number") from None
-
-
-def normalize(text: str) -> str:
-    """SQuAD's answer normalization: lower case, no punctuation, articles or extra spaces."""
-    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def is_right(answer: str, golds: tuple[str, ...]) -> bool:
-    """A normalized gold answer is a substring of the normalized reply (the NQ-open convention)."""
-    reply = normalize(answer)
-    return any(normalize(g) and normalize(g) in reply for g in golds)
-
-
-def token_f1(a: str, b: str) -> float:
-    """Token-level F1 between two answers (normalized); 1 when both are empty."""
-    ta, tb = normalize(a).split(), normalize(b).split()
-    if not ta or not tb:
-        return float(ta == tb)
-    common = sum((Counter(ta) & Counter(tb)).values())
-    if common == 0:
-        return 0.0
-    p, r = common / len(ta), common / len(tb)
-    return 2 * p * r / (p + r)
 
 
 def run_answers(engine, examples, arms: list[Arm], *, max_new_tokens: int = 32, show_progress: bool = True) -> dict:

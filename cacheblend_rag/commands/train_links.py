@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -126,7 +127,7 @@ def _train_links(args: argparse.Namespace) -> int:
         print(f"resuming {out} at step {start_step}")
     else:
         links = initial_links(engine, args.num_links, args.seed)
-    links = type(links)(links.embeds, links.fingerprint, links.vocab_size, dict(
+    links = dataclasses.replace(links, recipe=dict(
         links.recipe, model=engine.model_name, data=[p.name for p in files], start=args.start, limit=args.limit,
         passages=args.passages, passage_words=args.passage_words, lr=args.lr, answer_tokens=args.answer_tokens,
         method=args.method, recompute_ratio=args.recompute_ratio, dtype=str(engine.adapter.dtype).split(".")[-1],
