@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -147,7 +148,6 @@ class CacheBlendEngine(RequestConveniences):
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ConfigError(f"prefetch_depth must be an integer ≥ 0, got {prefetch_depth!r}")
         self.fingerprint = f"{model_fingerprint(model)}{tokenizer_fingerprint(tokenizer)}"
-        self.weights_fingerprint = weights_fingerprint(model, tokenizer)  # the same in every dtype: links' key
         if not isinstance(prefix_reuse, bool):
             raise ConfigError(f"prefix_reuse must be True or False, got {prefix_reuse!r}")
         # prefix_reuse: a finished request's KV (prompt and answer) is kept as a stored prefix, and a request that
@@ -202,13 +202,18 @@ class CacheBlendEngine(RequestConveniences):
                 f" (best: ratio {best['ratio']}, KL {best['mean_kl']:.3f}, agreement {best['agreement']:.0%})"
                 if best else "", decision.ratio)
 
+    @functools.cached_property
+    def weights_fingerprint(self) -> str:
+        """The weights' fingerprint in any dtype (what links are keyed by); read once, when links need it."""
+        return weights_fingerprint(self.model, self.tokenizer)
+
     def _check_links(self, links: Links | str | os.PathLike[str] | None) -> Links | None:
         """Learned links for this model (a `Links`, a links file's path, or "auto": those trained on this machine
         for these weights, else the package's for a packaged model), checked against its weights."""
         if links is None or links is False:
             return None
         if isinstance(links, str) and links == "auto":
-            links = find_links(self.weights_fingerprint, self.model_name)
+            links = find_links(lambda: self.weights_fingerprint, self.model_name)
             if links is None:
                 return None
         if isinstance(links, (str, os.PathLike)):

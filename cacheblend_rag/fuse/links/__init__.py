@@ -5,7 +5,7 @@ them wrongly. A `Links` set is m soft tokens (KVLink's idea, the model frozen): 
 chunk, are computed in every layer over the stored KV like the question is, and were trained by distillation so that
 the question, attending to them, answers as the model's own full prefill would (`cacheblend_rag.links_training`).
 
-    links = Links.load(path, fingerprint=weights_fingerprint)   # refused, naming the file, if corrupt or foreign
+    links = Links.load(path).for_model(fingerprint, vocab, width)  # refused, naming the file, if corrupt or foreign
     ids = links.token_ids                                     # m placeholder ids, past the vocabulary
     hidden = links.embed(embed_tokens, token_ids)             # real tokens embedded, link rows their trained vectors
 
@@ -174,18 +174,22 @@ def trained_path(fingerprint: str) -> Path:
     return settings.links_dir() / f"{fingerprint}.safetensors"
 
 
-def find_links(fingerprint: str, model_name: str) -> Links | None:
+def find_links(fingerprint: Callable[[], str], model_name: str) -> Links | None:
     """The links for a model: trained on this machine (by weights fingerprint), else shipped with the package for a
     packaged model (by alias, pinned by sha256) when they were trained for these very weights; None otherwise. A
-    file that exists but is corrupt raises CacheFormatError naming it: a user's links are never silently dropped."""
-    mine = trained_path(fingerprint)
+    file that exists but is corrupt raises CacheFormatError naming it: a user's links are never silently dropped.
+    `fingerprint` is called only when there is a file to match (it reads every weight)."""
+    folder = settings.links_dir()
+    pin = SHIPPED.get(model_name)
+    if pin is None and not (folder.is_dir() and any(folder.glob("*.safetensors"))):
+        return None
+    mine = trained_path(fingerprint())
     if mine.is_file():
         return Links.load(mine)
-    pin = SHIPPED.get(model_name)
     if pin is None:
         return None
     from importlib import resources
 
     with resources.as_file(resources.files("cacheblend_rag").joinpath(f"data/links/{model_name}.safetensors")) as p:
         links = Links.load(p, sha256=pin)
-    return links if links.fingerprint == fingerprint else None
+    return links if links.fingerprint == fingerprint() else None
