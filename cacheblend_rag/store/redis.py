@@ -1,6 +1,9 @@
-"""Shared KV tier on Redis (or Valkey): one hash per entry, read one layer per round trip.
+"""Shared KV tier on Redis (or Valkey), one server or a Redis Cluster: one hash per entry, read one layer per round
+trip.
 
-Layout of an entry, key `{prefix}:{namespace}:{chunk_id}` (a hash, so Redis's LRU evicts it whole):
+Layout of an entry, key `{prefix}:{namespace}:{chunk_id}` (a hash, so Redis's LRU evicts it whole); on a cluster
+`{prefix}:{namespace}:{{chunk_id}}`, the chunk id a hash tag, so every entry of one chunk (each model's, each
+prefix's) lives in one slot, on one master:
 
     meta   JSON header: format, version, namespace, chunk_id, kv_digest, shapes, dtype, positions_start,
            put_id (unique per write), ids_crc32, layer_crc32[num_layers], meta_crc32 (of the other fields)
@@ -12,7 +15,9 @@ Layout of an entry, key `{prefix}:{namespace}:{chunk_id}` (a hash, so Redis's LR
 A put is one MULTI/EXEC (DEL + HSET): readers see the old entry or the new one, never a mix. A reader does one
 HMGET(meta, ids) at open (header bounded, key binding, digest checked once) and one HGET per layer (crc-checked).
 A value that fails a check is deleted and reads as a miss. Redis down or slow never raises out of this store:
-reads are misses, a put raises KVWriteError, a warning is logged once per outage.
+reads are misses, a put raises KVWriteError, a warning is logged once per outage. On a cluster a master that dies
+is an outage until its replica takes over; redis-py's cluster client follows the new topology, and the store counts
+each change of the set of masters (`failovers` in `stats()`, `cacheblend_kv_store_failovers` in /metrics).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -102,13 +107,32 @@ def _from_bytes(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) ->
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
 
 
-def split_url(url: str) -> tuple[str, dict[str, str]]:
-    """(the URL redis-py understands, our own options `prefix` and `dtype` taken from its query)."""
+_OUR_OPTIONS = ("prefix", "dtype", "codec", "cluster")
+
+
+def split_url(url: str) -> tuple[str, dict[str, str], list[str]]:
+    """(the URL redis-py understands, our own options `prefix`, `dtype`, `codec` and `cluster` taken from its query,
+    the cluster's further startup nodes: each `node=host:port`)."""
     parts = urlsplit(url)
-    ours, theirs = {}, []
+    ours, theirs, nodes = {}, [], []
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        (ours.__setitem__(name, value) if name in ("prefix", "dtype", "codec") else theirs.append((name, value)))
-    return urlunsplit(parts._replace(query=urlencode(theirs))), ours
+        if name == "node":
+            nodes.append(value)
+        elif name in _OUR_OPTIONS:
+            ours[name] = value
+        else:
+            theirs.append((name, value))
+    return urlunsplit(parts._replace(query=urlencode(theirs))), ours, nodes
+
+
+def _startup_node(spec: str):
+    """A redis-py ClusterNode from "host:port"; ConfigError naming the spec otherwise."""
+    from redis.cluster import ClusterNode
+
+    host, _, port = spec.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"a Redis Cluster node must be host:port, got {spec[:LOGGED_CHARS]!r}")
+    return ClusterNode(host.strip("[]"), int(port))
 
 
 def _display(url: str) -> str:
@@ -125,6 +149,8 @@ class RedisStore(KVStore):
     Eviction is Redis's own (`maxmemory` + `maxmemory-policy allkeys-lru`): an entry is one key, so it goes whole.
     After a failed call (connection refused, timeout), calls in the next `retry_after_s` seconds are not tried
     (counted as `skipped`), so a dead or slow Redis costs a request at most one timeout per back-off period.
+    `cluster=True` talks to a Redis Cluster through redis-py's `RedisCluster` (`url` is any one node; `nodes` adds
+    further startup nodes as "host:port", tried when that one is down); it connects on first use.
     `codec="auto"` measures this connection's read speed and stores with the codec that is fastest to fetch and
     decode; `codec_profiles` gives the codecs' sizes and decode speeds it decides from (default: measured once per
     process).
@@ -142,6 +168,8 @@ class RedisStore(KVStore):
         retry_after_s: float = 1.0,
         codec: str | KVCodec = "fp16",
         codec_profiles: Mapping[str, CodecProfile] | None = None,
+        cluster: bool = False,
+        nodes: Sequence[str] = (),
     ) -> None:
         redis = _import_redis()
         if not prefix or not all(c.isalnum() or c in "-_." for c in prefix):
@@ -156,29 +184,47 @@ class RedisStore(KVStore):
                               "or auto")
         if not isinstance(codec, (str, KVCodec)):
             raise ConfigError(f"codec must be a codec name {sorted(CODECS)} or a KVCodec, got {type(codec).__name__}")
+        if not isinstance(cluster, bool):
+            raise ConfigError(f"cluster must be True or False, got {short_repr(cluster)}")
+        if nodes and not cluster:
+            raise ConfigError("startup nodes (node=host:port) are for a Redis Cluster: add cluster=true")
         self.url = _display(url)
         self.prefix = prefix
+        self.cluster = cluster
         self.retry_after_s = retry_after_s
         self._socket_timeout = socket_timeout
         self._redis = redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        try:
-            # One immediate retry on a dropped connection (a restarted server), none on a timeout (a slow one).
-            self._pool = redis.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=socket_timeout, socket_timeout=socket_timeout,
-                socket_connect_timeout=connect_timeout, decode_responses=False,
-                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"bad Redis URL {self.url!r}: {e}; expected redis://[:password@]host:port/db"
-                              "[?prefix=NAME&dtype=float16]") from e
-        self._client = redis.Redis(connection_pool=self._pool)
-        self._delete_if = self._client.register_script(_DELETE_IF_META)
-        self._outage_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        # One immediate retry on a dropped connection (a restarted server), none on a timeout (a slow one).
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+        self._client = None
+        self._pool = None
+        if cluster:
+            self._connect = self._cluster_connector(url, nodes, retry, socket_timeout=socket_timeout,
+                                                    socket_connect_timeout=connect_timeout,
+                                                    max_connections=max_connections)
+        else:
+            try:
+                self._pool = redis.BlockingConnectionPool.from_url(
+                    url, max_connections=max_connections, timeout=socket_timeout, socket_timeout=socket_timeout,
+                    socket_connect_timeout=connect_timeout, decode_responses=False, retry=retry)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"bad Redis URL {self.url!r}: {e}; expected redis://[:password@]host:port/db"
+                                  "[?prefix=NAME&dtype=float16]") from e
+            self._connect = lambda: redis.Redis(connection_pool=self._pool)
+        # a cluster's client raises RedisClusterException (not a RedisError) when no node answers, ClusterDownError
+        # while a dead master's slots have no owner yet: both are an outage, like a dead server
+        self._outage_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                               redis.exceptions.RedisClusterException, redis.exceptions.ClusterError)
+        self._masters: frozenset[str] | None = None  # a cluster's masters (host:port) when last seen
+        self._failovers = 0
         self._lock = threading.Lock()
-        self._down_since: float | None = None
-        self._retry_at = 0.0
+        # outages by where they are: None for the one server, a node's host:port on a cluster (one dead master
+        # must not hold back the others)
+        self._down_since: dict[str | None, float] = {}
+        self._retry_at: dict[str | None, float] = {}
         self._hits = self._misses = self._puts = self._corrupt = 0
         self._errors = self._skipped = self._outages = 0
         self._bytes_read = self._bytes_written = 0
@@ -196,7 +242,7 @@ class RedisStore(KVStore):
     @classmethod
     def from_url(cls, url: str, *, dtype: torch.dtype = torch.float16, **options: Any) -> "RedisStore":
         """A store from `redis://host:port/db?prefix=NAME&dtype=float16` (our options read from the query)."""
-        plain, ours = split_url(url)
+        plain, ours, nodes = split_url(url)
         if "dtype" in ours:
             if ours["dtype"] not in STORED_DTYPES:
                 raise ConfigError(f"dtype={ours['dtype']!r} in {_display(url)}; use one of {sorted(STORED_DTYPES)}")
@@ -205,7 +251,34 @@ class RedisStore(KVStore):
             options["prefix"] = ours["prefix"]
         if "codec" in ours:
             options["codec"] = ours["codec"]
+        if "cluster" in ours:
+            if ours["cluster"].lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ConfigError(f"cluster={ours['cluster'][:LOGGED_CHARS]!r} in {_display(url)}; use true or false")
+            options["cluster"] = ours["cluster"].lower() in ("true", "1", "yes")
+        if nodes:
+            options["nodes"] = nodes
         return cls(plain, dtype=dtype, **options)
+
+    def _cluster_connector(self, url: str, nodes: Sequence[str], retry: Any, **options: Any) -> Callable[[], Any]:
+        """What builds the cluster client on first use (RedisCluster connects to a node as it is made); bad URLs and
+        node specs are ConfigErrors now."""
+        from redis.cluster import RedisCluster
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss"):
+            raise ConfigError(f"a Redis Cluster is reached over redis:// or rediss://, not {parts.scheme}://")
+        if parts.path.strip("/") not in ("", "0"):
+            raise ConfigError(f"a Redis Cluster has only database 0, not {parts.path.strip('/')!r} ({self.url})")
+        try:
+            seed = f"{parts.hostname}:{parts.port or 6379}"
+        except ValueError as e:
+            raise ConfigError(f"bad Redis URL {self.url!r}: {e}") from e
+        startup = [_startup_node(spec) for spec in (seed, *nodes)]
+        plain = urlunsplit(parts._replace(path=""))
+
+        # the masters may be partly down: serve the slots that are up (require_full_coverage=False)
+        return lambda: RedisCluster.from_url(plain, startup_nodes=startup, retry=retry, require_full_coverage=False,
+                                             decode_responses=False, **options)
 
     # ---- public API -------------------------------------------------------------------
 
@@ -215,9 +288,10 @@ class RedisStore(KVStore):
         from .probe import TierProfile
 
         name = f"{self.prefix}:.probe:{uuid.uuid4().hex}"
-        failures = (self._redis.exceptions.RedisError, OSError)  # redis-py's timeouts and outages are RedisErrors
+        # redis-py's timeouts and outages are RedisErrors; a cluster none of whose nodes answers is not
+        failures = (self._redis.exceptions.RedisError, self._redis.exceptions.RedisClusterException, OSError)
         try:
-            self._client.set(name, bytes(num_bytes), px=60_000)
+            self._connected().set(name, bytes(num_bytes), px=60_000)
             best = float("inf")
             for _ in range(repeats):
                 started = time.perf_counter()
@@ -235,19 +309,22 @@ class RedisStore(KVStore):
             return None
         finally:
             try:
-                self._client.delete(name)
+                if self._client is not None:
+                    self._client.delete(name)
             except failures:
                 pass
 
     def name_for(self, key: KVKey) -> str:
-        """The Redis key of an entry."""
+        """The Redis key of an entry (on a cluster, the chunk id is its hash tag)."""
+        if self.cluster:
+            return f"{self.prefix}:{key.namespace}:{{{key.chunk_id}}}"
         return f"{self.prefix}:{key.namespace}:{key.chunk_id}"
 
     def get(self, key: KVKey) -> ChunkKV | None:
         """The validated entry on CPU in its stored dtype (one HGETALL), or None."""
         name = self.name_for(key)
         try:
-            fields = self._call(lambda: self._client.hgetall(name))
+            fields = self._call(lambda: self._client.hgetall(name), name)
         except _Failure:
             return self._count_miss()
         if not fields:
@@ -293,7 +370,7 @@ class RedisStore(KVStore):
             pipe.execute()
 
         try:
-            self._call(write)
+            self._call(write, name)
         except _Failure as e:
             raise KVWriteError(f"could not write the KV of {key} to Redis at {self.url}: {e}; check that Redis "
                                "is up and reachable and that its maxmemory-policy evicts (allkeys-lru)") from e
@@ -308,7 +385,8 @@ class RedisStore(KVStore):
     def delete(self, key: KVKey) -> bool:
         """Remove an entry; True if one was removed (False too when Redis is unavailable)."""
         try:
-            return bool(self._call(lambda: self._client.delete(self.name_for(key))))
+            name = self.name_for(key)
+            return bool(self._call(lambda: self._client.delete(name), name))
         except _Failure:
             return False
 
@@ -319,7 +397,8 @@ class RedisStore(KVStore):
     def entry_nbytes(self, key: KVKey) -> int | None:
         """Redis's own count of the entry's memory (MEMORY USAGE), or None (missing, or Redis unavailable)."""
         try:
-            size = self._call(lambda: self._client.memory_usage(self.name_for(key)))
+            name = self.name_for(key)
+            size = self._call(lambda: self._client.memory_usage(name), name)
         except _Failure:
             return None
         return int(size) if size else None
@@ -338,51 +417,96 @@ class RedisStore(KVStore):
                 "errors": self._errors,
                 "skipped": self._skipped,
                 "outages": self._outages,
-                "available": self._down_since is None,
+                **({"failovers": self._failovers, "masters": sorted(self._masters or ())} if self.cluster else {}),
+                "available": not self._down_since,
                 "bytes_read": self._bytes_read,
                 "bytes_written": self._bytes_written,
             }
 
     def close(self) -> None:
         """Close the pooled connections."""
-        self._pool.disconnect()
+        if self._pool is not None:
+            self._pool.disconnect()
+        elif self._client is not None:
+            self._client.close()
 
     # ---- Redis calls and outages --------------------------------------------------------
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run one Redis round trip; every failure becomes _Failure (nothing from redis-py leaks out)."""
-        with self._lock:
-            if self._down_since is not None and time.monotonic() < self._retry_at:
-                self._skipped += 1
-                raise _Failure("unavailable (waiting before trying again)")
+    def _call(self, fn: Callable[[], T], name: str) -> T:
+        """Run one Redis round trip on key `name`; every failure becomes _Failure (nothing from redis-py leaks out).
+        Where an outage is: None for the one server or a whole cluster, a master's host:port for its slots."""
+        self._unless_waiting(None)
+        try:
+            client = self._connected()
+            # on a cluster, the master holding `name` (the client's slot cache, no round trip)
+            where = client.get_node_from_key(name).name if self.cluster else None
+        except self._outage_errors as e:  # no node answered, or no master holds the slot yet
+            self._went_down(None, e)
+            raise _Failure(f"{type(e).__name__}: {short_repr(str(e))}") from e
+        self._unless_waiting(where)
         try:
             result = fn()
         except self._outage_errors as e:
-            self._went_down(e)
+            self._went_down(where, e)
             raise _Failure(f"{type(e).__name__}: {e}") from e
         except self._redis.exceptions.RedisError as e:  # up, but refused the command (OOM, WRONGTYPE, ...)
             with self._lock:
                 self._errors += 1
             raise _Failure(f"{type(e).__name__}: {short_repr(str(e))}") from e
-        if self._down_since is not None:
+        if self.cluster:
+            self._check_masters()
+        if self._down_since:
             with self._lock:
-                down_since, self._down_since = self._down_since, None
-            if down_since is not None:
-                logger.info("Redis KV tier at %s is available again after %.1f s", self.url,
-                            time.monotonic() - down_since)
+                came_back = [(w, self._down_since.pop(w)) for w in {None, where} if w in self._down_since]
+            for w, since in came_back:
+                logger.info("Redis KV tier at %s is available again after %.1f s", self.url if w is None else
+                            f"{self.url} (master {w})", time.monotonic() - since)
         return result
 
-    def _went_down(self, e: BaseException) -> None:
+    def _unless_waiting(self, where: str | None) -> None:
+        """_Failure while `where` is in an outage's back-off (the call is not tried)."""
+        with self._lock:
+            if where in self._down_since and time.monotonic() < self._retry_at[where]:
+                self._skipped += 1
+                raise _Failure("unavailable (waiting before trying again)")
+
+    def _connected(self) -> Any:
+        """The client, made on first use (a cluster's is made by talking to one of its nodes)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    client = self._connect()
+                    self._delete_if = client.register_script(_DELETE_IF_META)
+                    self._client = client
+        return self._client
+
+    def _check_masters(self) -> None:
+        """Count a change in the cluster's masters as the client sees them now (no round trip: its slot cache);
+        a master that left is no longer an outage (its replica serves its slots)."""
+        masters = frozenset(node.name for node in self._client.get_primaries())
+        with self._lock:
+            before, self._masters = self._masters, masters
+            changed = before is not None and masters != before
+            if changed:
+                self._failovers += 1
+                for gone in before - masters:
+                    self._down_since.pop(gone, None)
+        if changed:
+            logger.warning("Redis Cluster at %s changed masters (a failover): %s left, %s joined", self.url,
+                           ", ".join(sorted(before - masters)) or "none", ", ".join(sorted(masters - before)) or "none")
+
+    def _went_down(self, where: str | None, e: BaseException) -> None:
         with self._lock:
             self._errors += 1
-            self._retry_at = time.monotonic() + self.retry_after_s
-            first = self._down_since is None
+            self._retry_at[where] = time.monotonic() + self.retry_after_s
+            first = where not in self._down_since
             if first:
-                self._down_since = time.monotonic()
+                self._down_since[where] = time.monotonic()
                 self._outages += 1
         if first:
             logger.warning("Redis KV tier at %s is unavailable (%s: %s); reads are misses and writes are skipped "
-                           "until it is back (said once per outage)", self.url, type(e).__name__, short_repr(str(e)))
+                           "until it is back (said once per outage)", self.url if where is None else
+                           f"{self.url} (master {where})", type(e).__name__, short_repr(str(e)))
 
     def _count_miss(self) -> None:
         with self._lock:
@@ -470,7 +594,7 @@ class RedisStore(KVStore):
             return pipe.execute(raise_on_error=False)
 
         try:
-            replies = self._call(fetch)
+            replies = self._call(fetch, name)
         except _Failure:
             return None
         if any(isinstance(r, Exception) for r in replies):  # an error reply (WRONGTYPE): not one of ours
@@ -604,9 +728,9 @@ class RedisStore(KVStore):
         name = self.name_for(key)
         try:
             if force:
-                self._call(lambda: self._client.delete(name))
+                self._call(lambda: self._client.delete(name), name)
             else:
-                self._call(lambda: self._delete_if(keys=[name], args=[raw_meta or b""]))
+                self._call(lambda: self._delete_if(keys=[name], args=[raw_meta or b""]), name)
         except _Failure as e:
             logger.debug("could not delete corrupt entry %s: %s", name, e)
 
@@ -630,7 +754,7 @@ class RedisReader(EntryReader):
         self._check_index(layer, f"of {self.key}")
         name = self.store.name_for(self.key)
         try:
-            data = self.store._call(lambda: self.store._client.hget(name, _field(layer)))
+            data = self.store._call(lambda: self.store._client.hget(name, _field(layer)), name)
         except _Failure as e:
             raise LayerReadError(self.key, layer, f"Redis: {e}") from e
         loaded = self._check(layer, data)
@@ -647,7 +771,8 @@ class RedisReader(EntryReader):
         if missing:
             name = self.store.name_for(self.key)
             try:
-                datas = self.store._call(lambda: self.store._client.hmget(name, [_field(i) for i in missing]))
+                datas = self.store._call(lambda: self.store._client.hmget(name, [_field(i) for i in missing]),
+                                         name)
                 for i, data in zip(missing, datas):
                     self._read[i] = self._check(i, data)
             except (_Failure, LayerReadError):
