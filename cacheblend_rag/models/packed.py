@@ -23,10 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 def available(dtype: torch.dtype) -> bool:
-    """Whether this torch build has oneDNN's packed linear ops (CPU, fp32 or bf16)."""
-    return (torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+    """Whether this torch build has oneDNN's packed linear ops (CPU, fp32 or bf16) and this CPU runs them: oneDNN
+    refuses to pack bf16 weights on a CPU without AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only one)."""
+    if not (torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear:
