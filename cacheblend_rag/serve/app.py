@@ -185,7 +185,7 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
         server.scheduler.start()
         # the grammar compiler's one-time set-up (0.5-1.9 s, GIL-bound) while the server is still idle, not in the
         # first tool call's latency; a request arriving meanwhile waits for the part it needs
-        engine.grammars.warm_up()
+        warming = engine.grammars.warm_up()
         logger.info("serving %r (queue %d, timeout %.0f s, auth %s)", config.model_name, config.max_queue,
                     config.timeout_s, f"{len(config.api_keys)} key(s)" if config.api_keys else "off")
         try:
@@ -194,6 +194,11 @@ def create_app(engine, config: ServeConfig) -> FastAPI:
             await asyncio.to_thread(server.scheduler.stop, config.timeout_s)
             server.admission.shutdown()
             server.parse_pool.shutdown(wait=False, cancel_futures=True)
+            # a server stopped within a second or two of starting: the warm-up thread is still inside llguidance's
+            # native code, and an interpreter finalizing under a running native thread can die of SIGSEGV (a CI
+            # run's exit -11); it is a few seconds at most
+            if warming is not None:
+                await asyncio.to_thread(warming.join, 60)
 
     app = FastAPI(title="cacheblend-rag", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

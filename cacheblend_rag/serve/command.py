@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import ipaddress
 import logging
@@ -179,6 +180,8 @@ def run_cli(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     server = uvicorn_server(app, config, args.host, args.port, verbose=args.verbose)
+    # a crash in native code (torch, tokenizers, llguidance) prints every thread's Python stack to the log
+    faulthandler.enable()
     # uvicorn handles SIGTERM/SIGINT (stop accepting, finish in-flight requests, run the lifespan's shutdown),
     # then raises the signal again for the previous handler; a graceful stop is a clean exit, so ignore it here.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
