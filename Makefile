@@ -47,9 +47,10 @@ demo: install
 test: install
 	$(PY) -m pytest
 
-# The fuzzers' long profile (tests/fuzzing.py): every surface of tests/test_fuzz_*.py runs new random examples for
-# DURATION seconds (then finishes its batch); a failure prints its shrunk example and is kept in .hypothesis/
-# (replayed first next time).
+# The fuzzers' long profile (tests/fuzzing.py): each of the six input surfaces (server bodies, server headers, CLI,
+# ingest loaders, Python API, stored entries) runs new random examples for DURATION seconds, split among its property
+# tests in tests/test_fuzz_*.py (each finishes its batch); a failure prints its shrunk example and is kept in
+# .hypothesis/ (replayed first next time). DURATION=600: an hour in all.
 # `make test` runs the quick profile (seeded, a few hundred examples a surface).
 DURATION ?= 600
 fuzz: install

@@ -75,14 +75,14 @@ def request_keywords(draw) -> dict:
     return kw
 
 
-@fuzz(quick_examples=400)
+@fuzz(quick_examples=400, surface="Python API")
 @given(kw=request_keywords())
 def test_fuzzed_request_keywords_build_a_request_or_a_clear_error(kw):
     request = refused_cleanly(lambda: Request.of(**kw))
     assert request is None or isinstance(request, Request)
 
 
-@fuzz(quick_examples=300)
+@fuzz(quick_examples=300, surface="Python API")
 @given(method=st.sampled_from(sorted(POLICIES)) | ANY, ratio=st.floats(-1, 2) | ANY,
        options=st.dictionaries(st.sampled_from([n for n in OPTION_NAMES if n != "recompute_ratio"]), PLAUSIBLE | ANY,
                                max_size=3))
@@ -111,7 +111,7 @@ ENGINE_OPTIONS = {
 
 
 @pytest.mark.model
-@fuzz(quick_examples=150)
+@fuzz(quick_examples=150, surface="Python API")
 @given(options=st.fixed_dictionaries({}, optional=ENGINE_OPTIONS))
 def test_fuzzed_engine_options_build_an_engine_or_a_clear_error(tiny, options):
     from cacheblend_rag import CacheBlendEngine
@@ -173,7 +173,7 @@ def argv(draw) -> list[str]:
     return out
 
 
-@fuzz(quick_examples=300)
+@fuzz(quick_examples=300, surface="CLI")
 @given(args=argv())
 def test_fuzzed_command_lines_parse_or_exit_2_with_an_error_line(args):
     """Parsing alone (a parse runs no command: `serve` would serve, `ingest` ingest): every option's type is

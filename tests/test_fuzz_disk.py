@@ -76,7 +76,7 @@ KEY = KVKey("model-a", "0123456789abcdef0123456789abcdef")
 OTHER = KVKey("model-a", "fedcba9876543210fedcba9876543210")
 
 
-@fuzz(quick_examples=150)
+@fuzz(quick_examples=150, surface="stored entries")
 @given(codec=st.sampled_from(["fp16", "int8", "cachegen"]), kv=chunk_kv(), other_kv=chunk_kv(), data=st.data())
 def test_fuzzed_disk_entries_are_served_exactly_or_not_at_all(tmp_path_factory, codec, kv, other_kv, data):
     root = tmp_path_factory.mktemp("kv")
@@ -150,7 +150,7 @@ def _decision(fingerprint: str, method: str, ratio: float):
                              num_questions=8, mean_tokens=100.0, created=1.0)
 
 
-@fuzz(quick_examples=200)
+@fuzz(quick_examples=200, surface="stored entries")
 @given(ratio=st.sampled_from([0.15, 0.2, 0.3, 1.0]), data=st.data())
 def test_fuzzed_gate_decisions_are_read_exactly_or_skipped(tmp_path_factory, monkeypatch, ratio, data):
     from cacheblend_rag import gate, settings
@@ -235,7 +235,7 @@ def _damage_index(path: Path, kind: str, seed: int, text: str) -> None:
 
 
 @pytest.mark.model
-@fuzz(quick_examples=40)
+@fuzz(quick_examples=40, surface="stored entries")
 @given(damage=index_damage())
 def test_fuzzed_chunk_index_never_maps_a_text_to_another_chunk(tiny, ingested_folder, tmp_path_factory, damage):
     from cacheblend_rag import CacheBlendEngine
@@ -296,7 +296,7 @@ def stored_prefix(tiny, tmp_path_factory) -> tuple[Path, list[dict], str, str]:
 
 
 @pytest.mark.model
-@fuzz(quick_examples=40)
+@fuzz(quick_examples=40, surface="stored entries")
 @given(data=st.data())
 def test_fuzzed_stored_prefixes_give_the_answer_over_the_prefix_or_over_none(tiny, stored_prefix, tmp_path_factory,
                                                                               data):
@@ -345,7 +345,7 @@ def variant_folder(deeper, tmp_path_factory) -> tuple[Path, torch.Tensor]:
 
 
 @pytest.mark.model
-@fuzz(quick_examples=15)
+@fuzz(quick_examples=15, surface="stored entries")
 @given(kind=st.sampled_from(["row", "row", "kv", "file"]), column=st.sampled_from(VARIANT_COLUMNS),
        value=VARIANT_VALUE | st.sampled_from(["[]", "{}", "{not json", "0" * 32, "-1", float("inf"), 1e309,
                                               "not a chunk id"]), data=st.data())

@@ -120,7 +120,7 @@ def tiny_engine(tmp_path_factory, tokenizer):
 
 @pytest.mark.model
 @pytest.mark.slow
-@fuzz(quick_examples=200)
+@fuzz(quick_examples=200, surface="ingest loaders")
 @given(files=FOLDER)
 def test_fuzzed_files_are_ingested_or_skipped_with_a_reason(tiny_engine, tmp_path_factory, files):
     from cacheblend_rag.ingest import ingest_paths

@@ -417,7 +417,7 @@ def mutated(draw, bodies) -> tuple[bytes, str | None, dict[str, str], dict]:
 
 @pytest.mark.model
 @pytest.mark.slow
-@fuzz(quick_examples=220)
+@fuzz(quick_examples=220, surface="server bodies")
 @given(case=mutated(chat_body()) | chat_body().map(lambda b: (serialize(b), None, AUTH, b)))
 def test_fuzzed_chat_bodies_are_answered_or_refused_cleanly(witnessed, case):
     post_mutated(witnessed, "/v1/chat/completions", case)
@@ -425,7 +425,7 @@ def test_fuzzed_chat_bodies_are_answered_or_refused_cleanly(witnessed, case):
 
 @pytest.mark.model
 @pytest.mark.slow
-@fuzz(quick_examples=120)
+@fuzz(quick_examples=120, surface="server bodies")
 @given(case=mutated(completion_body()) | completion_body().map(lambda b: (serialize(b), None, AUTH, b)))
 def test_fuzzed_completion_bodies_are_answered_or_refused_cleanly(witnessed, case):
     post_mutated(witnessed, "/v1/completions", case)
@@ -514,7 +514,7 @@ def raw_request(draw) -> tuple[bytes, bool]:
 
 @pytest.mark.model
 @pytest.mark.slow
-@fuzz(quick_examples=50)
+@fuzz(quick_examples=50, surface="server headers")
 @given(case=raw_request())
 def test_fuzzed_headers_are_answered_or_refused_cleanly(witnessed, case):
     request, _ = case
@@ -550,7 +550,7 @@ def openapi_operations(served) -> dict:
 @pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-@fuzz(quick_examples=60)
+@fuzz(quick_examples=60, surface="server bodies")
 @given(data=st.data())
 def test_schemathesis_bodies_from_the_openapi_document(witnessed, openapi_operations, path, data):
     # Schemathesis's strategy drawn inside the test, under this file's profiles: its pytest loader from a fixture

@@ -323,9 +323,18 @@ class RedisStore(KVStore):
     def get(self, key: KVKey) -> ChunkKV | None:
         """The validated entry on CPU in its stored dtype (one HGETALL), or None."""
         name = self.name_for(key)
+
+        def fetch() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hgetall(name)
+            return pipe.execute(raise_on_error=False)[0]
+
         try:
-            fields = self._call(lambda: self._client.hgetall(name), name)
+            fields = self._call(fetch, name)
         except _Failure:
+            return self._count_miss()
+        if isinstance(fields, Exception):  # an error reply (WRONGTYPE): not one of ours, as in _open
+            self._drop(key, None, f"not a hash: {fields}", force=True)
             return self._count_miss()
         if not fields:
             return self._count_miss()
