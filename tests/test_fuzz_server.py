@@ -39,6 +39,9 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 CONTEXT = 1024
 MAX_BODY = 1024**2
 TIME_BOUND_S = 20.0  # any answer, a 2xx of a few tokens or any refusal; the slowest seen is well under 1 s
+# The memory a request may cost: the process's peak resident memory over every fuzzed request stays within this
+# of where it stood once the server was up (a 1 MiB body parses to ~10 MiB of Python objects; 16 answer at once)
+MEMORY_BOUND = 400 * 1024**2
 HEADER_TIMEOUT_S = BODY_TIMEOUT_S = 0.5  # so a half-sent request costs the fuzzer half a second, not ten
 WITNESS = {"model": MODEL, "max_tokens": 6, "cache_salt": f"witness-{uuid.uuid4().hex}",
            "messages": [{"role": "user", "content": "Which rivers meet in Lyon?"}]}
@@ -153,8 +156,34 @@ def served(tmp_path_factory, tokenizer):
     tmp = tmp_path_factory.mktemp("fuzz-server")
     model = tiny_model("llama", len(tokenizer), max_position_embeddings=CONTEXT)
     served = Served(CacheBlendEngine(model, tokenizer, tmp / "kv"), tmp)
+    resident = _reset_peak_memory()
     yield served
     served.close()
+    if resident is not None:
+        grown = _peak_memory() - resident
+        assert grown <= MEMORY_BOUND, f"fuzzed requests took the process {grown / 2**20:.0f} MiB above its start"
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise LookupError(field)
+
+
+def _reset_peak_memory() -> int | None:
+    """Start the peak resident memory (VmHWM) over from now (Linux: clear_refs 5); the resident memory now, bytes
+    (None where the kernel has no such counter)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _status_kib("VmRSS") * 1024
+
+
+def _peak_memory() -> int:
+    """The peak resident memory since `_reset_peak_memory`, bytes."""
+    return _status_kib("VmHWM") * 1024
 
 
 @pytest.fixture
