@@ -39,6 +39,7 @@ from typing import Any
 
 from .decode.grammar import Grammar, check_schema_depth, with_json_options
 from .errors import ConfigError
+from .request import check_tools
 from .tool_format import GENERIC, RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, ToolFormat, result_message
 
 CHOICES = ("auto", "none", "required")
@@ -262,7 +263,9 @@ def chat_turn(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]
               rendered: Sequence[dict[str, Any]] | None = None) -> ToolTurn:
     """An integration's chat call with these tools bound: `messages` OpenAI-shaped (before `fmt` renders them);
     `tool_turn` over `rendered` (default `fmt.chat_messages(messages)`) with the conversation's answered calls, or,
-    with `answer`, the plain answer after an "auto" answer that only repeated them (`answer_turn`)."""
+    with `answer`, the plain answer after an "auto" answer that only repeated them (`answer_turn`). A call's own
+    `tools` are checked here, as `Request.of` checks a prompt's (a LangChain or LlamaIndex call passes them raw)."""
+    tools = check_tools(tools, messages)
     if answer:
         return answer_turn(messages, tools, parallel, fmt)
     chat = fmt.chat_messages(messages) if rendered is None else rendered

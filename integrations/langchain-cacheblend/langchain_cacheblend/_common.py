@@ -37,10 +37,11 @@ def check_call_kwargs(owner: str, kwargs: dict[str, Any], extra: Iterable[str] =
 
 def call_settings(defaults: Any, max_tokens: int, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`Request.of` keywords for one call: the call's kwargs over the model's fields (checked by `Request.of`)."""
+    temperature = kwargs.get("temperature", defaults.temperature)
     return call_keywords(
         kwargs, method=defaults.method, recompute_ratio=defaults.recompute_ratio,
         policy_options=defaults.policy_options, max_new_tokens=max_tokens,
-        temperature=float(kwargs.get("temperature", defaults.temperature) or 0.0),
+        temperature=0.0 if temperature is None else temperature,  # checked by Request.of, as every other one
         top_p=kwargs.get("top_p", defaults.top_p),
         seed=kwargs.get("seed", defaults.seed),
         stop=stop if stop is not None else defaults.stop,

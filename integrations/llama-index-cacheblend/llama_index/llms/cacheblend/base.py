@@ -441,11 +441,18 @@ class CacheBlendLLM(CustomLLM, FunctionCallingLLM):
             raise ConfigError(f"CacheBlendLLM got unknown keyword argument(s) {', '.join(unknown)}; accepted: "
                               f"{', '.join(sorted(_call_settings()))}")
         gen = {**self.generate_kwargs, **kwargs}
-        sample = gen.get("do_sample", gen.get("temperature", 0.0) > 0)
+        # Hugging Face's do_sample (defined here, so checked here): False is greedy whatever the temperature, True
+        # without a temperature samples at 1; the temperature itself is Request.of's to check
+        do_sample, temperature = gen.get("do_sample"), gen.get("temperature")
+        if do_sample is not None and not isinstance(do_sample, bool):
+            raise ConfigError(f"do_sample must be True or False, got {type(do_sample).__name__}")
+        if do_sample is False:
+            temperature = 0.0
+        elif temperature is None:
+            temperature = 1.0 if do_sample else 0.0
         return call_keywords(
             gen, method=self.method, recompute_ratio=self.recompute_ratio, policy_options=self.policy_options,
-            max_new_tokens=self.max_new_tokens,
-            temperature=float(gen.get("temperature", 1.0 if sample else 0.0)) if sample else 0.0,
+            max_new_tokens=self.max_new_tokens, temperature=temperature,
             top_p=gen.get("top_p", 1.0), seed=gen.get("seed"), stop=gen.get("stop"), grammar=gen.get("grammar"),
             tools=gen.get("tools"),
         )
