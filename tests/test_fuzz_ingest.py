@@ -184,3 +184,20 @@ def test_html_the_stdlib_parser_refuses_is_skipped_not_fatal(tmp_path):
     assert [f.name for f in report.files] == ["good.txt"]
     [skipped] = report.skipped
     assert Path(skipped.path).name == "bad.html" and "BDATA" in skipped.reason, skipped
+
+
+@pytest.mark.model
+def test_text_the_tokenizer_drops_is_a_skipped_file_and_a_chunk_error(tiny_engine, tmp_path):
+    from cacheblend_rag.errors import ChunkError
+    from cacheblend_rag.ingest import ingest_paths
+
+    # found by the long profile: a file holding only "\x16" (SmolLM2's tokenizer drops it) became a chunk of no
+    # tokens, and computing its KV raised RuntimeError (a reshape of 0 elements) out of the whole ingestion
+    (tmp_path / "control.txt").write_bytes(b"\x16")
+    (tmp_path / "good.txt").write_text("Honeybees have five eyes.")
+    report = ingest_paths([tmp_path], tiny_engine, None, show_progress=False)
+    assert report.files == 1 and report.chunks == 1 and report.kv_failed == ()
+    [skipped] = report.skipped
+    assert Path(skipped.path).name == "control.txt" and "tokenizer keeps" in skipped.reason, skipped
+    with pytest.raises(ChunkError, match="has no tokens"):
+        tiny_engine.ingest(["\x16"])

@@ -84,4 +84,7 @@ def make_chunk(text: str, tokenizer) -> Chunk:
     except UnicodeEncodeError as e:
         raise ChunkError(f"a chunk is not valid text ({e.reason} at position {e.start}); pass UTF-8 text") from None
     ids = tokenizer(norm, add_special_tokens=False)["input_ids"]
+    if not ids:  # e.g. "\x16": characters the tokenizer drops leave nothing to compute KV for
+        raise ChunkError(f"a chunk of {len(norm)} character(s) the tokenizer drops (control characters?) has no "
+                         "tokens; give it some text")
     return Chunk(chunk_id=chunk_id(norm), text=norm, token_ids=torch.tensor(ids, dtype=torch.long))

@@ -161,8 +161,14 @@ def ingest_paths(
                 if sync and skipped[-1].empty:  # the file says nothing now: its old chunks are stale
                     stale |= store.ids_for_source(source_key(f))
                 continue
-            read_files.append(f)
             records = split_texts(texts, engine.tokenizer, chunk_tokens=chunk_tokens)
+            if not records:  # its text is only what the tokenizer drops ("\x16"): read, but nothing to ingest
+                skipped.append(SkippedFile(str(f), "no text the model's tokenizer keeps (only control or "
+                                                   "unprintable characters)", empty=True))
+                if sync:
+                    stale |= store.ids_for_source(source_key(f))
+                continue
+            read_files.append(f)
             if sync:
                 stale |= store.ids_for_source(source_key(f)) - {r.chunk_id for r in records}
             for r in records:

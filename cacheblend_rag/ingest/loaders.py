@@ -577,7 +577,7 @@ def split_texts(
         pieces = [t.text] if t.presplit else split(t.text)
         for i, piece in enumerate(pieces):
             norm = normalize_text(piece)
-            if not norm:
+            if not norm or not token_count(norm):  # nothing, or only characters the tokenizer drops
                 continue
             cid = chunk_id(norm)
             records.setdefault(cid, ChunkRecord(cid, norm, {"source": t.source, "title": t.title, "part": i}))
