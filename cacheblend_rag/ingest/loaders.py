@@ -577,8 +577,8 @@ def split_texts(
         pieces = [t.text] if t.presplit else split(t.text)
         for i, piece in enumerate(pieces):
             norm = normalize_text(piece)
-            if not norm or not token_count(norm):  # nothing, or only characters the tokenizer drops
-                continue
+            if not norm or (not any(c.isprintable() and not c.isspace() for c in norm) and not token_count(norm)):
+                continue  # nothing, or only characters the tokenizer drops (control characters: "\x16")
             cid = chunk_id(norm)
             records.setdefault(cid, ChunkRecord(cid, norm, {"source": t.source, "title": t.title, "part": i}))
     return list(records.values())
