@@ -533,6 +533,9 @@ class CacheBlendEngine(RequestConveniences):
         if row is not None:
             fusion = dataclasses.replace(fusion, layout=insert_rows(fusion.layout, row, links.token_ids), links=links)
         n = int(fusion.layout.token_ids.numel())
+        if n == 0:  # e.g. a completion prompt of "\u0016": nothing to prefill (a 500 from the layer loop before)
+            raise ConfigError("the prompt has no tokens: its text is only characters the tokenizer drops "
+                              "(control characters?); send some text")
         if n > self.context_window:
             raise PromptTooLongError(
                 f"prompt of {n} tokens ({len(fusion.chunks)} chunks) exceeds the model's context window of "

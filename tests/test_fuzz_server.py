@@ -649,3 +649,11 @@ def test_a_temperature_too_small_for_float32_decodes_greedily(witnessed):
         assert post(witnessed, "/v1/chat/completions", serialize({**body, "temperature": temperature})) is None
         r = witnessed.client.post("/v1/chat/completions", json={**body, "temperature": temperature}, headers=AUTH)
         assert r.json()["choices"][0]["message"] == greedy["choices"][0]["message"]
+
+
+@pytest.mark.model
+def test_a_prompt_of_no_tokens_is_a_400(witnessed):
+    # found by the long profile: a completion prompt of "\u0016" (the tokenizer drops it) reached the layer loop
+    # with no rows, a RuntimeError and a 500
+    error = post(witnessed, "/v1/completions", serialize({"model": MODEL, "prompt": "\u0016", "max_tokens": 2}))
+    assert error is not None and "no tokens" in error["message"], error
