@@ -72,6 +72,26 @@ def _equal(a: ChunkKV, b: ChunkKV) -> bool:
             and all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values)))
 
 
+def assert_served_exactly_or_not_at_all(store, key: KVKey, expected: ChunkKV) -> None:
+    """Whatever `store` serves for `key` (whole, token ids, layer by layer) is `expected`, or a miss / a layer read
+    error (the caller recomputes the chunk)."""
+    got = store.get(key)
+    assert got is None or _equal(got, expected), "a damaged entry was served as other KV"
+    ids = store.token_ids(key)
+    assert ids is None or torch.equal(ids, expected.token_ids)
+    reader = store.reader(key)
+    if reader is not None:
+        assert reader.positions_start == expected.positions_start and torch.equal(reader.token_ids,
+                                                                                  expected.token_ids)
+        for layer in range(reader.num_layers):
+            try:
+                k, v = reader.layer(layer)
+            except LayerReadError:
+                break  # detected while reading: the caller recomputes the chunk
+            assert torch.equal(k, expected.keys[layer]) and torch.equal(v, expected.values[layer])
+        reader.close()
+
+
 KEY = KVKey("model-a", "0123456789abcdef0123456789abcdef")
 OTHER = KVKey("model-a", "fedcba9876543210fedcba9876543210")
 
@@ -89,21 +109,7 @@ def test_fuzzed_disk_entries_are_served_exactly_or_not_at_all(tmp_path_factory, 
     path.write_bytes(data.draw(damage(path.read_bytes(), other_path.read_bytes())))
 
     store = DiskStore(root, codec=codec)  # a process started after the damage
-    got = store.get(KEY)
-    assert got is None or _equal(got, expected), "a damaged entry was served as other KV"
-    ids = store.token_ids(KEY)
-    assert ids is None or torch.equal(ids, expected.token_ids)
-    reader = store.reader(KEY)
-    if reader is not None:
-        assert reader.positions_start == expected.positions_start and torch.equal(reader.token_ids,
-                                                                                  expected.token_ids)
-        for layer in range(reader.num_layers):
-            try:
-                k, v = reader.layer(layer)
-            except LayerReadError:
-                break  # detected while reading: the caller recomputes the chunk
-            assert torch.equal(k, expected.keys[layer]) and torch.equal(v, expected.values[layer])
-        reader.close()
+    assert_served_exactly_or_not_at_all(store, KEY, expected)
     # the store goes on: the entry is written again and read back exactly
     store.put(KEY, kv)
     assert _equal(store.get(KEY), expected)

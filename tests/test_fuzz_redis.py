@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cacheblend_rag.store import KVKey, LayerReadError
+from cacheblend_rag.store import KVKey
 
 from fuzzing import fuzz
-from test_fuzz_disk import _equal, chunk_kv
+from test_fuzz_disk import _equal, assert_served_exactly_or_not_at_all, chunk_kv
 
 redis = pytest.importorskip("redis") if os.environ.get("CI") != "true" else __import__("redis")
 from cacheblend_bench.replicas import RedisServer, redis_server_binary  # noqa: E402
@@ -88,21 +87,7 @@ def test_fuzzed_redis_entries_are_served_exactly_or_not_at_all(redis_url, codec,
     _damage(client, data, writer.name_for(KEY), writer.name_for(OTHER))
 
     store = RedisStore(redis_url, prefix="fuzz", codec=codec, retry_after_s=0.0)  # another process's store
-    got = store.get(KEY)
-    assert got is None or _equal(got, expected), "a damaged entry was served as other KV"
-    ids = store.token_ids(KEY)
-    assert ids is None or torch.equal(ids, expected.token_ids)
-    reader = store.reader(KEY)
-    if reader is not None:
-        assert reader.positions_start == expected.positions_start
-        assert torch.equal(reader.token_ids, expected.token_ids)
-        for layer in range(reader.num_layers):
-            try:
-                k, v = reader.layer(layer)
-            except LayerReadError:
-                break  # detected while reading: the caller recomputes the chunk
-            assert torch.equal(k, expected.keys[layer]) and torch.equal(v, expected.values[layer])
-        reader.close()
+    assert_served_exactly_or_not_at_all(store, KEY, expected)
     # the store goes on: written again, read back exactly; the other entry was never touched
     store.put(KEY, kv)
     assert _equal(store.get(KEY), expected) and _equal(store.get(OTHER), other_expected)
