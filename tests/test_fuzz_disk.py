@@ -435,6 +435,34 @@ def test_kv_read_from_a_file_truncated_in_place_afterwards_does_not_kill_the_pro
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
+def test_a_file_truncated_while_its_reader_is_open_is_a_layer_read_error_not_sigbus(tmp_path):
+    # a reader opened the file, then the file was truncated in place before a layer was read: copying the layer
+    # out of the file's memory map touched pages past its new end (SIGBUS, the process killed). Reads are
+    # preads now: a short read, the layer refused and the file quarantined. Run apart, as above
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from cacheblend_rag.store import ChunkKV, DiskStore, KVKey, LayerReadError\n"
+        "store, key = DiskStore(sys.argv[1]), KVKey('m', '0123456789abcdef0123456789abcdef')\n"
+        "kv = ChunkKV((torch.randn(4000, 2, 64),) * 2, (torch.randn(4000, 2, 64),) * 2, torch.arange(4000))\n"
+        "store.put(key, kv)\n"
+        "reader = store.reader(key)\n"
+        "assert torch.equal(reader.layer(0)[0], kv.keys[0].half())\n"
+        "open(store.path_for(key), 'r+b').truncate(store.entry_nbytes(key) // 2)\n"
+        "try:\n"
+        "    reader.layer(1)\n"
+        "except LayerReadError as e:\n"
+        "    print('refused', e)\n"
+        "reader.close()\n"
+        "assert store.get(key) is None and not store.path_for(key).exists(), store.stats()\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("refused"), done.stdout
+
+
 def test_a_damaged_or_foreign_gate_decision_is_skipped(tmp_path, monkeypatch):
     from cacheblend_rag import gate, settings
 

@@ -42,13 +42,13 @@ def test_a_disk_reader_checks_its_header_once_per_request_not_once_per_layer(tok
     import cacheblend_rag.store.disk as disk
 
     opens: list[str] = []
-    real = disk.safe_open
+    real = disk._open_pinned
 
-    def counting(path, *args, **kwargs):
-        opens.append(os.path.realpath(path))  # reads are pinned through /proc/self/fd/N: name the file
-        return real(path, *args, **kwargs)
+    def counting(path):
+        opens.append(os.path.realpath(path))
+        return real(path)
 
-    monkeypatch.setattr(disk, "safe_open", counting)
+    monkeypatch.setattr(disk, "_open_pinned", counting)
     pre = engine.prefill(ids, QUESTION, method="full_reuse")
     assert pre.stats["chunk_hits"] == ids
     # one open per stored entry the request reads (the prefix segment and each chunk), whatever the layer count

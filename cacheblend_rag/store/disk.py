@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from ..errors import ConfigError, KVWriteError
@@ -38,8 +37,9 @@ RAW_FORMAT_VERSION = "1"  # k.<layer>/v.<layer> tensors in one float dtype (the 
 SUFFIX = ".safetensors"
 QUARANTINE_DIR = ".quarantine"
 _READ_ATTEMPTS = 3
-_ITEMSIZE = {"U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8,
-             "I64": 8, "F64": 8, "BOOL": 1}
+_TORCH_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "U16": torch.uint16, "I16": torch.int16, "F16": torch.float16,
+                 "BF16": torch.bfloat16, "U32": torch.uint32, "I32": torch.int32, "F32": torch.float32,
+                 "U64": torch.uint64, "I64": torch.int64, "F64": torch.float64, "BOOL": torch.bool}
 _INT_FIELDS = ("num_layers", "num_tokens", "num_kv_heads", "head_dim", "v_head_dim", "positions_start")
 MAX_HEADER_BYTES = 1024**2  # ours are ~10 kB; a larger header is hostile or foreign and never parsed
 QUARANTINE_MAX_FILES = 32  # oldest quarantined files beyond this are deleted
@@ -68,17 +68,100 @@ def header_crc(meta: dict) -> str:
     return str(zlib.crc32(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogatepass")))
 
 
-_FD_DIR = Path("/proc/self/fd")  # Linux: re-opening /proc/self/fd/N opens the very inode fd N holds
+class _PinnedFile:
+    """A safetensors file read through one open descriptor with `os.pread`, never memory-mapped.
+
+    Tensors read from a map stay backed by the file: a file truncated in place (by a tool, a bad copy) killed the
+    process with SIGBUS when a page past its new end was touched, even while a tensor was being copied out. A read
+    here is a copy into memory of its own; a file shorter than its header says is a short read, and _Corrupt. The
+    descriptor pins the inode, so every read of one entry sees one file even while writers replace its path.
+    The header is the safetensors format's (an 8-byte length, then JSON); each tensor's bytes are checked against
+    its dtype and shape here, and against its crc32 by the store."""
+
+    def __init__(self, fd: int, size: int, header_len: int) -> None:
+        self._fd = -1  # owned once the header is read: until then a failure leaves the caller to close it
+        raw = os.pread(fd, header_len, 8)
+        if len(raw) != header_len:
+            raise _Corrupt("the header is cut short")
+        try:
+            header = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise _Corrupt(f"the header is not JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise _Corrupt("the header is not a JSON object")
+        meta = header.pop("__metadata__", {})
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise _Corrupt("the header's metadata is not a map of strings")
+        self._meta: dict[str, str] = meta
+        self._base = 8 + header_len
+        self._specs: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, spec in header.items():
+            self._specs[name] = self._checked(name, spec, size - self._base)
+        self._fd = fd
+
+    @staticmethod
+    def _checked(name: str, spec: Any, data_len: int) -> tuple[str, tuple[int, ...], int, int]:
+        """(dtype, shape, begin, end) of one tensor's header entry, its bytes within the file's data."""
+        if not isinstance(spec, dict) or spec.get("dtype") not in _TORCH_DTYPES:
+            raise _Corrupt(f"tensor {short_repr(name)} has no known dtype")
+        shape, offsets = spec.get("shape"), spec.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise _Corrupt(f"tensor {short_repr(name)} has a bad shape {short_repr(shape)}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_len):
+            raise _Corrupt(f"tensor {short_repr(name)} has data offsets {short_repr(offsets)} outside the file")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offsets[1] - offsets[0] != numel * _TORCH_DTYPES[spec["dtype"]].itemsize:
+            raise _Corrupt(f"tensor {short_repr(name)}'s bytes do not match its dtype and shape")
+        return spec["dtype"], tuple(shape), offsets[0], offsets[1]
+
+    def metadata(self) -> dict[str, str]:
+        """The header's `__metadata__`."""
+        return dict(self._meta)
+
+    def keys(self) -> list[str]:
+        """The tensor names, as the header lists them."""
+        return list(self._specs)
+
+    def spec(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype, shape) of a tensor, from the header alone."""
+        dtype, shape, _, _ = self._specs[name]
+        return dtype, shape
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The tensor, read into memory of its own."""
+        dtype, shape, begin, end = self._specs[name]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        buffer, done = memoryview(out.numpy()), 0
+        while done < len(buffer):  # read straight into the tensor: one copy, as from the map
+            got = os.preadv(self._fd, [buffer[done:]], self._base + begin + done)
+            if got == 0:
+                raise _Corrupt(f"tensor {short_repr(name)} is cut short: the file is shorter than its header says")
+            done += got
+        return out.view(_TORCH_DTYPES[dtype]).reshape(shape)
+
+    def close(self) -> None:
+        """Release the descriptor (idempotent)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    __del__ = close  # a reader nobody closed still releases its descriptor
+
+    def __enter__(self) -> "_PinnedFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _open_pinned(path: Path):
-    """A safetensors handle on the file now at path, and that file's signature; _Corrupt if it is not sane.
+def _open_pinned(path: Path) -> tuple[_PinnedFile, tuple[int, ...]]:
+    """The file now at path, open and pinned (`_PinnedFile`), and its signature; _Corrupt if it is not sane.
 
-    The file is opened once, non-blocking and checked with fstat first (so a FIFO or device at a KV path never
-    hangs a request), and the header length is bounded before safetensors parses it. safe_open opens its path
-    twice (header map, then torch's storage), so on Linux it is given /proc/self/fd/N: both opens reach the
-    inode checked here even while writers keep replacing the path.
-    """
+    It is opened non-blocking and checked with fstat first (so a FIFO or device at a KV path never hangs a
+    request), and the header length is bounded before the header is parsed."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
         st = os.fstat(fd)
@@ -90,10 +173,10 @@ def _open_pinned(path: Path):
         (header_len,) = struct.unpack("<Q", head)
         if header_len > MAX_HEADER_BYTES or 8 + header_len > st.st_size:
             raise _Corrupt(f"header length {header_len} is out of bounds for a {st.st_size}-byte file")
-        pinned = _FD_DIR / str(fd) if _FD_DIR.is_dir() else path
-        handle = safe_open(pinned, framework="pt", device="cpu")
-    finally:
-        os.close(fd)  # the handle keeps its own maps of the inode
+        handle = _PinnedFile(fd, st.st_size, header_len)
+    except BaseException:
+        os.close(fd)
+        raise
     return handle, (st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns)
 
 
@@ -189,7 +272,7 @@ class DiskStore(KVStore):
             try:
                 meta, token_ids = self._header(handle, key)
             except Exception as e:  # noqa: BLE001
-                handle.__exit__(None, None, None)
+                handle.close()
                 self._quarantine(path, sig, f"{type(e).__name__}: {e}")
                 break
             with self._lock:
@@ -380,9 +463,8 @@ class DiskStore(KVStore):
 
     def _guarded(self, path: Path, fn: Callable[[Any], T]) -> T | None:
         """Run fn on the opened file; a bad file is logged, quarantined and becomes None."""
-        # Reads are pinned to one inode where /proc/self/fd exists; elsewhere a concurrent os.replace can mix two
-        # files in one read. The crc32s catch that; a changed file signature tells it apart from real corruption,
-        # and we simply read again.
+        # A read is pinned to the inode it opened (_PinnedFile); a file replaced between the signature and the open
+        # fails its crc32s, and a changed signature tells that apart from real corruption: we simply read again.
         for _ in range(_READ_ATTEMPTS):
             sig = self._signature(path)
             if sig is None:
@@ -461,15 +543,8 @@ class DiskStore(KVStore):
             raise _Corrupt(f"codec {name} v{short_repr(version)} is not readable by this version (v{codec.version})")
         return codec
 
-    @staticmethod
-    def _copied(f, name: str) -> torch.Tensor:
-        """A tensor of the open file, copied out of its memory map before it is checked: a tensor left on the map
-        stays backed by the file, so a file truncated in place later (by a tool, a bad copy) killed the process
-        with SIGBUS at its next use, and a file rewritten in place would serve bytes its crc never saw."""
-        return f.get_tensor(name).clone()
-
     def _tensor(self, f, meta: dict, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        t = self._copied(f, name)
+        t = f.get_tensor(name)
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise _Corrupt(f"{name} is {t.dtype}{tuple(t.shape)}, expected {dtype}{shape}")
         if meta.get(f"crc.{name}") != _crc(t):
@@ -501,16 +576,13 @@ class DiskStore(KVStore):
             index, _, name = full.partition(".")
             if not (index.isascii() and index.isdigit() and len(index) < 10 and name) or int(index) >= n_layers:
                 raise _Corrupt(f"unexpected tensor name {short_repr(full)}")
-            sl = f.get_slice(full)
+            dtype, shape = f.spec(full)
             numel = 1
-            for d in sl.get_shape():
-                numel *= int(d)
-            itemsize = _ITEMSIZE.get(sl.get_dtype())
-            if itemsize is None:
-                raise _Corrupt(f"tensor {short_repr(full)} has unsupported dtype {short_repr(sl.get_dtype())}")
+            for d in shape:
+                numel *= d
             names, nbytes = layers[int(index)]
             names.append(name)
-            layers[int(index)] = (names, nbytes + numel * itemsize)
+            layers[int(index)] = (names, nbytes + numel * _TORCH_DTYPES[dtype].itemsize)
         if any(not names for names, _ in layers):
             raise _Corrupt("a layer has no tensors")
         return layers
@@ -522,7 +594,7 @@ class DiskStore(KVStore):
         if meta["format_version"] == FORMAT_VERSION:
             tensors = {}
             for name in meta["_layers"][layer][0]:
-                t = self._copied(f, f"{layer}.{name}")
+                t = f.get_tensor(f"{layer}.{name}")
                 if meta.get(f"crc.{layer}.{name}") != _crc(t):
                     raise _Corrupt(f"checksum mismatch in {layer}.{name}")
                 tensors[name] = t
@@ -635,8 +707,8 @@ class DiskReader(EntryReader):
 
     tier = "disk"
 
-    def __init__(self, store: DiskStore, key: KVKey, path: Path, sig: tuple[int, ...], handle, meta: dict,
-                 token_ids: torch.Tensor) -> None:
+    def __init__(self, store: DiskStore, key: KVKey, path: Path, sig: tuple[int, ...], handle: _PinnedFile,
+                 meta: dict, token_ids: torch.Tensor) -> None:
         if "_layers" in meta:  # coded: what each layer's tensors take in the file
             self._layer_bytes = [nbytes for _, nbytes in meta["_layers"]]
         else:
@@ -681,5 +753,5 @@ class DiskReader(EntryReader):
         """Release the file handle."""
         with self._lock:
             if self._handle is not None:
-                self._handle.__exit__(None, None, None)
+                self._handle.close()
                 self._handle = None
