@@ -96,6 +96,24 @@ def test_a_call_temperature_that_is_not_a_number_is_a_config_error_on_both(engin
         CacheBlendLLM(engine=engine, max_new_tokens=2).complete(QUESTION, do_sample="yes")
 
 
+@pytest.mark.parametrize("temperature", [2**64, 10**400])
+def test_a_call_temperature_too_large_for_a_float_decodes_or_is_a_config_error_on_both(engine, temperature):
+    """make fuzz: an int temperature past torch's int64 scalars (2**64) was an OverflowError where the logits were
+    divided by it; one past float64 (10**400) too. It is taken as a float, or refused as not finite."""
+    from cacheblend_rag.errors import ConfigError
+    from langchain_cacheblend import CacheBlendLLM as LangChainLLM
+    from llama_index.llms.cacheblend import CacheBlendLLM
+
+    finite = temperature < 2**1024
+    for call in (lambda: LangChainLLM(engine=engine, max_tokens=2).invoke(QUESTION, temperature=temperature),
+                 lambda: CacheBlendLLM(engine=engine, max_new_tokens=2).complete(QUESTION, temperature=temperature)):
+        if finite:
+            assert str(call())
+        else:
+            with pytest.raises(ConfigError, match="temperature must be a finite number"):
+                call()
+
+
 @pytest.mark.parametrize("tools", [True, 3, object(), {"type": "function"}])
 def test_call_tools_that_are_not_tool_specs_are_a_config_error_on_both(engine, tools):
     """A call's own tools= went to the tool turn unchecked: TypeError ('bool' object is not iterable)."""

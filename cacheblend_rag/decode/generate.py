@@ -19,8 +19,22 @@ ALIASES = {"max_tokens": "max_new_tokens"}  # the OpenAI / LangChain name for th
 
 def _number(name: str, value: Any, *, integer: bool = False) -> None:
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or (not integer and math.isnan(value)):
+    if isinstance(value, bool) or not ok or (not integer and isinstance(value, float) and math.isnan(value)):
         raise ConfigError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+
+
+def _finite_float(name: str, value: Any) -> float:
+    """`value` (a number, checked by `_number`) as a finite float: an int past float64 or torch's int64 scalars
+    (2**64) overflowed where the logits were divided by it (make fuzz, #53)."""
+    _number(name, value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        got = repr(value) if isinstance(value, float) else f"an integer of {value.bit_length()} bits"
+        raise ConfigError(f"{name} must be a finite number, got {got}")
+    return number
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -50,10 +64,10 @@ class SamplingOptions:
         _number("max_new_tokens", self.max_new_tokens, integer=True)
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be ≥ 1, got {self.max_new_tokens}")
-        _number("temperature", self.temperature)
+        object.__setattr__(self, "temperature", _finite_float("temperature", self.temperature))
         if self.temperature < 0:
             raise ConfigError(f"temperature must be ≥ 0, got {self.temperature}")
-        _number("top_p", self.top_p)
+        object.__setattr__(self, "top_p", _finite_float("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be within (0, 1], got {self.top_p}")
         if self.seed is not None:
