@@ -43,6 +43,7 @@ TIME_BOUND_S = 20.0  # any answer, a 2xx of a few tokens or any refusal; the slo
 # The memory a request may cost: the process's peak resident memory over every fuzzed request stays within this
 # of where it stood once the server was up (a 1 MiB body parses to ~10 MiB of Python objects; 16 answer at once)
 MEMORY_BOUND = 400 * 1024**2
+CACHE_BYTES = 32 * 1024**2  # each cache's memory tier (chunk KV, stored prefixes): within the bound
 HEADER_TIMEOUT_S = BODY_TIMEOUT_S = 0.5  # so a half-sent request costs the fuzzer half a second, not ten
 WITNESS = {"model": MODEL, "max_tokens": 6, "cache_salt": f"witness-{uuid.uuid4().hex}",
            "messages": [{"role": "user", "content": "Which rivers meet in Lyon?"}]}
@@ -155,8 +156,13 @@ def served(tmp_path_factory, tokenizer):
     from conftest import tiny_model
 
     tmp = tmp_path_factory.mktemp("fuzz-server")
+    from cacheblend_rag.store import MemoryStore, open_store
+
     model = tiny_model("llama", len(tokenizer), max_position_embeddings=CONTEXT)
-    served = Served(CacheBlendEngine(model, tokenizer, tmp / "kv"), tmp)
+    # the caches' memory tiers bounded well within MEMORY_BOUND: at their defaults (2 GiB of chunk KV, 1 GiB of
+    # prefixes) a long fuzz run's new chunks kept filling them, which is their job, not a request's memory
+    kv = open_store(tmp / "kv", memory_bytes=CACHE_BYTES)
+    served = Served(CacheBlendEngine(model, tokenizer, kv, prefix_store=MemoryStore(CACHE_BYTES)), tmp)
     resident = _reset_peak_memory()
     yield served
     served.close()
