@@ -44,6 +44,7 @@ TIME_BOUND_S = 20.0  # any answer, a 2xx of a few tokens or any refusal; the slo
 # of where it stood once the server was up (a 1 MiB body parses to ~10 MiB of Python objects; 16 answer at once)
 MEMORY_BOUND = 400 * 1024**2
 CACHE_BYTES = 32 * 1024**2  # each cache's memory tier (chunk KV, stored prefixes): within the bound
+KNOWN = 512  # chunks the engine keeps (text and token ids, up to ~70 kB each here): within the bound too
 HEADER_TIMEOUT_S = BODY_TIMEOUT_S = 0.5  # so a half-sent request costs the fuzzer half a second, not ten
 WITNESS = {"model": MODEL, "max_tokens": 6, "cache_salt": f"witness-{uuid.uuid4().hex}",
            "messages": [{"role": "user", "content": "Which rivers meet in Lyon?"}]}
@@ -159,10 +160,12 @@ def served(tmp_path_factory, tokenizer):
     from cacheblend_rag.store import MemoryStore, open_store
 
     model = tiny_model("llama", len(tokenizer), max_position_embeddings=CONTEXT)
-    # the caches' memory tiers bounded well within MEMORY_BOUND: at their defaults (2 GiB of chunk KV, 1 GiB of
-    # prefixes) a long fuzz run's new chunks kept filling them, which is their job, not a request's memory
+    # what the engine keeps across requests bounded well within MEMORY_BOUND: at their defaults (2 GiB of chunk KV,
+    # 1 GiB of prefixes, 8192 known chunks of up to the context each) a long fuzz run's new documents kept filling
+    # them, which is their job, not a request's memory
     kv = open_store(tmp / "kv", memory_bytes=CACHE_BYTES)
-    served = Served(CacheBlendEngine(model, tokenizer, kv, prefix_store=MemoryStore(CACHE_BYTES)), tmp)
+    engine = CacheBlendEngine(model, tokenizer, kv, prefix_store=MemoryStore(CACHE_BYTES), max_known_chunks=KNOWN)
+    served = Served(engine, tmp)
     resident = _reset_peak_memory()
     yield served
     served.close()
