@@ -157,11 +157,10 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tokenizer):
     from cacheblend_rag import CacheBlendEngine
+    from cacheblend_rag.store import MemoryStore, open_store
     from conftest import tiny_model
 
     tmp = tmp_path_factory.mktemp("fuzz-server")
-    from cacheblend_rag.store import MemoryStore, open_store
-
     model = tiny_model("llama", len(tokenizer), max_position_embeddings=CONTEXT)
     # what the engine keeps across requests bounded well within RETAINED_BOUND: at their defaults (2 GiB of chunk KV,
     # 1 GiB of prefixes, 8192 known chunks of up to the context each) a long fuzz run's new documents kept filling
