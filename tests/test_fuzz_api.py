@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import os
 
 import pytest
 from hypothesis import given
@@ -117,11 +118,13 @@ def test_fuzzed_engine_options_build_an_engine_or_a_clear_error(tiny, options):
     from cacheblend_rag import CacheBlendEngine
 
     model, tokenizer = tiny
-    # a store spec naming a folder would write there: the fuzzer's folders are refused or in memory
+    # a store spec naming a folder would write there: the fuzzer's own specs are tiers (or refused), never folders
     if isinstance(options.get("kv_store"), (str, bytes)) and not str(options["kv_store"]).startswith(
             ("memory", "redis", "nope", "disk:")):
         options["kv_store"] = None
+    before = set(os.listdir())
     refused_cleanly(lambda: CacheBlendEngine(model, tokenizer, **options))
+    assert set(os.listdir()) == before, f"{options.get('kv_store')!r} wrote {set(os.listdir()) - before}"
 
 
 # ---- the command line ------------------------------------------------------------------------------------------
@@ -203,6 +206,25 @@ def test_a_size_too_large_for_a_float_is_an_error_line():
         with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as e:
             build_parser().parse_known_args(args)
         assert e.value.code == 2 and "larger than any size" in stderr.getvalue(), stderr.getvalue()
+
+
+def test_a_one_tier_store_spec_is_that_tier_never_a_folder_of_its_name(tmp_path, monkeypatch):
+    from cacheblend_rag.errors import ConfigError
+    from cacheblend_rag.store import DiskStore, MemoryStore, TieredStore, open_store
+
+    monkeypatch.chdir(tmp_path)
+    # "memory", "disk:" and "nope://x" each made a folder of that name in the working folder (found by the long
+    # profile: three empty folders at the repository root)
+    assert isinstance(open_store("memory"), MemoryStore)
+    assert open_store("memory?codec=int8").codec.name == "int8"
+    tiered = open_store(f"disk:{tmp_path / 'kv'}")
+    assert isinstance(tiered, TieredStore) and isinstance(tiered.disk, DiskStore)
+    assert tiered.disk.root == tmp_path / "kv"
+    with pytest.raises(ConfigError, match="needs its folder"):
+        open_store("disk:")
+    with pytest.raises(ConfigError, match="unknown KV store URL 'nope://x'"):
+        open_store("nope://x")
+    assert sorted(os.listdir(tmp_path)) == ["kv"]
 
 
 def test_wrong_types_of_request_and_engine_options_are_config_errors(tiny):

@@ -48,6 +48,11 @@ def _is_redis(spec: str) -> bool:
     return spec.startswith(REDIS_SCHEMES)
 
 
+def _is_tier_spec(spec: str) -> bool:
+    """Whether a string names a tier ("memory", "disk:PATH", either with ?codec=) rather than a folder."""
+    return spec.partition("?")[0] == "memory" or spec.startswith("disk:") or "?codec=" in spec
+
+
 DEFAULT_MEMORY_BYTES = 2 * 1024**3  # the memory tier's LRU budget
 DEFAULT_DISK_BYTES = 20 * 1024**3  # the disk tier's LRU budget (least recently used files deleted beyond it)
 
@@ -62,8 +67,8 @@ def open_store(
 ) -> KVStore:
     """Build the KV store from a spec.
 
-    None -> MemoryStore; a directory -> memory over a DiskStore there (writing new entries with
-    `codec`); "redis://host:port/db[?prefix=NAME]" ->
+    None or "memory" -> MemoryStore; a directory or "disk:PATH" -> memory over a DiskStore there (writing new
+    entries with `codec`); "redis://host:port/db[?prefix=NAME]" ->
     memory over Redis; a KVStore -> itself; a list of tiers fastest first, each "memory", "disk:PATH" (or a Path),
     "redis://..." or a KVStore -> a TieredStore of them (e.g. ["memory", "disk:~/kv", "redis://cache:6379/0"]).
 
@@ -77,9 +82,14 @@ def open_store(
         return path
     if isinstance(path, str) and _is_redis(path):
         return TieredStore(MemoryStore(memory_bytes), _redis(path, disk_dtype))
-    if isinstance(path, str) and "?codec=" in path:  # one tier spec with its codec, e.g. "memory?codec=int8"
-        return open_store([path], memory_bytes=memory_bytes, disk_bytes=disk_bytes, disk_dtype=disk_dtype,
+    if isinstance(path, str) and _is_tier_spec(path):
+        # one tier spec, never a folder of that name: "memory" alone, "disk:PATH" memory over disk as a folder is
+        tiers = [path] if path.partition("?")[0] == "memory" else ["memory", path]
+        return open_store(tiers, memory_bytes=memory_bytes, disk_bytes=disk_bytes, disk_dtype=disk_dtype,
                           codec=codec)
+    if isinstance(path, str) and "://" in path:
+        raise ConfigError(f"unknown KV store URL {path!r}; the URL schemes are {', '.join(REDIS_SCHEMES)} "
+                          "(a folder is given as its path, or as disk:PATH)")
     if isinstance(path, (str, Path)):
         # "~/kv" means the home folder, never a literal "./~" folder
         return TieredStore(MemoryStore(memory_bytes), DiskStore(Path(path).expanduser(), disk_bytes, disk_dtype,
@@ -132,7 +142,9 @@ def _tier(spec: StoreSpec, index: int, memory_bytes: int | None, disk_bytes: int
             if index:
                 raise ConfigError('"memory" must be the first tier: tiers are listed fastest first')
             return MemoryStore(memory_bytes, codec=_tier_codec(tier_codec, "memory") if tier_codec else None)
-        if spec.startswith("disk:") and len(spec) > 5:
+        if spec == "disk:":
+            raise ConfigError('a "disk:" tier needs its folder, e.g. "disk:~/kv"')
+        if spec.startswith("disk:"):
             root = Path(spec[5:]).expanduser()
             return DiskStore(root, disk_bytes, disk_dtype,
                              codec=_tier_codec(tier_codec, "disk", root) if tier_codec else codec)
