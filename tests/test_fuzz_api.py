@@ -1,18 +1,14 @@
-"""The Python API and the CLI's arguments under a property-based fuzzer (issue #53): `Request.of` with any keywords,
-the policies' options, the engine's own options, the store specs, and every subcommand's arguments.
+"""The Python API under a property-based fuzzer (issue #53): `Request.of` with any keywords, the policies' options,
+the engine's own options and the store specs (the CLI's: tests/test_fuzz_cli.py).
 
 The property: a value the package takes builds what was asked; any other is refused with one of the package's
 errors (`CacheBlendError`: `ConfigError`, `ChunkError`, ...) whose message is not empty — never a TypeError,
-KeyError, OverflowError or any other internal error. On the command line: a parse or an `error:` line with exit 2,
-never a traceback. Profiles: tests/fuzzing.py.
+KeyError, OverflowError or any other internal error. Profiles: tests/fuzzing.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import io
 import math
 import os
 
@@ -127,85 +123,7 @@ def test_fuzzed_engine_options_build_an_engine_or_a_clear_error(tiny, options):
     assert set(os.listdir()) == before, f"{options.get('kv_store')!r} wrote {set(os.listdir()) - before}"
 
 
-# ---- the command line ------------------------------------------------------------------------------------------
-
-
-def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    from cacheblend_rag.cli import build_parser
-
-    parser = build_parser()
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
-SUBCOMMANDS = _subcommands()
-JUNK = st.one_of(st.sampled_from(["", " ", "--", "-", "\x00", "auto", "memory", "disk:", "redis://", "cpu", "cuda:9"]),
-                 st.text(st.characters(exclude_categories=("Cs",)), max_size=12))
-# the far ends first: Hypothesis draws the first entries of a list most often
-NUMBERS = st.sampled_from(["9" * 400, "1e999", "nan", "inf", "-inf", "-1", "0", "1", "0.5", "1.5", "0x10", "1_000",
-                           " 3", "99999999999999999999"])
-SIZES = st.sampled_from(["9" * 400, "99999999999999999999T", "nanGiB", "-1KiB", "0", "1", "1023", "512MiB", "1.5G",
-                         "300MB", "1e3", "12 kib", "8MiB "])
-
-
-def _values(action: argparse.Action):
-    """Values for one option: near what its type takes (its choices, numbers, sizes), or anything."""
-    if action.choices:
-        return st.sampled_from([str(c) for c in action.choices]) | JUNK
-    kind = getattr(action.type, "__name__", "")
-    if "size" in kind:
-        return SIZES
-    if action.type is not None and action.type is not str:
-        return NUMBERS
-    return JUNK | NUMBERS
-
-
-@st.composite
-def argv(draw) -> list[str]:
-    command = draw(st.sampled_from(sorted(SUBCOMMANDS)))
-    actions = [a for a in SUBCOMMANDS[command]._actions if a.option_strings and "-h" not in a.option_strings]
-    out = [command]
-    for _ in range(draw(st.integers(0, 6))):
-        if actions and draw(st.integers(0, 3)):
-            action = draw(st.sampled_from(actions))
-            out.append(draw(st.sampled_from(action.option_strings)))
-            if action.nargs != 0:
-                out.append(draw(_values(action)))
-        else:
-            out.append(draw(JUNK))  # a positional argument, or one too many
-    return out
-
-
-@fuzz(quick_examples=300, surface="CLI")
-@given(args=argv())
-def test_fuzzed_command_lines_parse_or_exit_2_with_an_error_line(args):
-    """Parsing alone (a parse runs no command: `serve` would serve, `ingest` ingest): every option's type is
-    checked by the parser, an argument out of range is an `error:` line and exit 2."""
-    from cacheblend_rag.cli import build_parser
-
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            build_parser().parse_known_args(args)
-        except SystemExit as e:
-            assert e.code in (0, 2), (e.code, stderr.getvalue())
-            if e.code == 2:
-                assert stderr.getvalue().startswith("error: "), stderr.getvalue()
-    assert "Traceback" not in stderr.getvalue()
-
-
 # ---- what the fuzzer found (#53), kept as examples -------------------------------------------------------------
-
-
-def test_a_size_too_large_for_a_float_is_an_error_line():
-    from cacheblend_rag.cli import build_parser
-
-    # 400 digits read as float are infinity: int() raised OverflowError, a traceback instead of exit 2
-    for args in (["ingest", "x", "--memory-budget", "9" * 400], ["serve", "--max-body-bytes", "99999999999T"]):
-        stderr = io.StringIO()
-        with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as e:
-            build_parser().parse_known_args(args)
-        assert e.value.code == 2 and "larger than any size" in stderr.getvalue(), stderr.getvalue()
 
 
 def test_a_one_tier_store_spec_is_that_tier_never_a_folder_of_its_name(tmp_path, monkeypatch):
