@@ -4,13 +4,14 @@ A variant is keyed by the chunk id and the exact tokens before it (their digest)
 KVStore as every chunk KV, under a derived chunk id in the same namespace (keys before RoPE, like all stored KV).
 Its metadata — the chunks before it (ids, in order), inter-attention to each, intra-attention, CCI (eq. 11), the
 chunk's tokens ranked by inter-attention, the usefulness f_r and its size — lives in SQLite (WAL mode, busy
-timeout) in the store's side-car folder (`KVStore.side_car_dir()`: the disk tier's, beside the chunk index), so
+timeout; each row carries a crc32 of what was written, all but the use counts f_r and created) in the store's side-car folder (`KVStore.side_car_dir()`: the disk tier's, beside the chunk index), so
 every process serving the same store sees the same variants. A store without a folder gets a temporary database of
 its own. Cache-Craft keeps one VariantStore per chunk cache as its per-chunk state (`CacheCraft.chunk_state`,
 made by `ChunkCache.policy_state` on first use); no other module makes one.
 
 Nothing here can fail a request: an unreadable row is no variant, a locked database is waited on briefly then
-read as "no variants", and a variant whose KV is gone is forgotten when it is found missing.
+read as "no variants", a row that fails its checksum is skipped, and a variant whose KV is gone is forgotten when it
+is found missing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import sqlite3
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +59,7 @@ CREATE TABLE IF NOT EXISTS variants (
     nbytes INTEGER NOT NULL,
     f_r REAL NOT NULL DEFAULT 0,  -- usefulness: += 1/CFO per use (§3.3)
     created REAL NOT NULL,
+    crc INTEGER,                  -- crc32 of the row as written (`_row_crc`); a row whose fields fail it is skipped
     PRIMARY KEY (namespace, chunk_id, kv_id)
 );
 """
@@ -105,6 +108,13 @@ class Variant:
     def isolated(cls, chunk_id: str, num_tokens: int) -> "Variant":
         """The no-context variant: the chunk's ingestion precompute."""
         return cls(chunk_id, None, (), "", num_tokens)
+
+
+def _row_crc(namespace: str, chunk_id: str, fields: Sequence) -> int:
+    """crc32 of a row's fields as SQLite gives them back (kv_id .. nbytes): a field changed in place, even to a
+    value of the right type (a CCI of 0), no longer matches. -0.0 is written as 0.0, as SQLite may read it."""
+    canon = [f + 0.0 if isinstance(f, float) else f for f in fields]
+    return zlib.crc32(json.dumps([namespace, chunk_id, *canon]).encode())
 
 
 def _locked(e: Exception) -> bool:
@@ -163,6 +173,9 @@ class VariantStore:
                 try:
                     db.execute("PRAGMA journal_mode = WAL")
                     db.executescript(_SCHEMA)
+                    if "crc" not in {row[1] for row in db.execute("PRAGMA table_info(variants)")}:
+                        # a database from before rows were checksummed: its rows (crc NULL) are skipped
+                        db.execute("ALTER TABLE variants ADD COLUMN crc INTEGER")
                 except sqlite3.Error:
                     db.close()
                     raise
@@ -201,7 +214,7 @@ class VariantStore:
         """The chunk's stored variants; a row that does not parse is skipped, a locked database gives []."""
         try:
             rows = self._read(
-                "SELECT kv_id, context, lead_digest, num_tokens, inter, intra, cci, ranking, nbytes, f_r "
+                "SELECT kv_id, context, lead_digest, num_tokens, inter, intra, cci, ranking, nbytes, f_r, crc "
                 "FROM variants WHERE namespace = ? AND chunk_id = ?", (namespace, chunk_id))
         except (sqlite3.Error, OSError) as e:
             self._degraded("lookup", e)
@@ -209,7 +222,7 @@ class VariantStore:
         out = []
         for row in rows:
             try:
-                out.append(_parse(chunk_id, row))
+                out.append(_parse(namespace, chunk_id, row))
             except (ValueError, TypeError, KeyError, OverflowError) as e:  # 1e309 in an integer column: inf
                 logger.info("skipping an unreadable variant row of chunk %s (%s)", chunk_id, e)
         return out
@@ -264,15 +277,16 @@ class VariantStore:
             return False
         nbytes = self.store.entry_nbytes(KVKey(namespace, variant.kv_id)) or kv.nbytes
         variant.nbytes = int(nbytes)
+        fields = (variant.kv_id, json.dumps(list(variant.context)), variant.lead_digest, int(variant.num_tokens),
+                  json.dumps(variant.inter), float(variant.intra) + 0.0, float(variant.cci) + 0.0,
+                  json.dumps(variant.ranking or []), variant.nbytes)
         try:
             self._write(
                 "INSERT OR REPLACE INTO variants (namespace, chunk_id, kv_id, context, lead_digest, num_tokens, "
-                "inter, intra, cci, ranking, nbytes, f_r, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                "COALESCE((SELECT f_r FROM variants WHERE namespace = ? AND chunk_id = ? AND kv_id = ?), 0), ?)",
-                (namespace, variant.chunk_id, variant.kv_id, json.dumps(list(variant.context)), variant.lead_digest,
-                 variant.num_tokens, json.dumps(variant.inter), float(variant.intra), float(variant.cci),
-                 json.dumps(variant.ranking or []), variant.nbytes, namespace, variant.chunk_id, variant.kv_id,
-                 time.time()))
+                "inter, intra, cci, ranking, nbytes, f_r, created, crc) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                "COALESCE((SELECT f_r FROM variants WHERE namespace = ? AND chunk_id = ? AND kv_id = ?), 0), ?, ?)",
+                (namespace, variant.chunk_id, *fields, namespace, variant.chunk_id, variant.kv_id, time.time(),
+                 _row_crc(namespace, variant.chunk_id, fields)))
         except (sqlite3.Error, OSError) as e:
             self._degraded("insert", e)
             return False
@@ -302,8 +316,11 @@ class VariantStore:
         return evicted
 
 
-def _parse(chunk_id: str, row: tuple) -> Variant:
-    kv_id, context, lead_digest, num_tokens, inter, intra, cci_value, ranking, nbytes, f_r = row
+def _parse(namespace: str, chunk_id: str, row: tuple) -> Variant:
+    *fields, f_r, crc = row
+    if crc is None or crc != _row_crc(namespace, chunk_id, fields):
+        raise ValueError("checksum mismatch")
+    kv_id, context, lead_digest, num_tokens, inter, intra, cci_value, ranking, nbytes = fields
     ctx = json.loads(context)
     inter_d = json.loads(inter)
     rank = json.loads(ranking)
