@@ -207,3 +207,19 @@ def test_a_size_too_large_for_a_float_is_an_error_line():
         with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as e:
             build_parser().parse_known_args(args)
         assert e.value.code == 2 and "larger than any size" in stderr.getvalue(), stderr.getvalue()
+
+
+def test_a_chunk_size_past_any_context_window_is_an_error_line(tmp_path, capsys):
+    from cacheblend_rag.cli import main
+    from cacheblend_rag.commands.common import MAX_CHUNK_TOKENS
+
+    # found by the commands' fuzz: the parser took any size, and `plan` raised OverflowError (a traceback) where
+    # a chunk's bytes became a float; ingest would have made chunks no model can read
+    for command in (["plan"], ["ingest", str(CORPUS)]):
+        with pytest.raises(SystemExit) as e:
+            main([*command, "--chunk-tokens", "9" * 400, "--home", str(tmp_path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--chunk-tokens: must be at most 1,048,576 tokens" in err, err
+        assert "400 digits" in err and "Traceback" not in err
+    assert main(["plan", "--chunk-tokens", str(MAX_CHUNK_TOKENS), "--home", str(tmp_path), "--json"]) == 0
+    assert f'"chunk_tokens": {MAX_CHUNK_TOKENS}' in capsys.readouterr().out

@@ -91,10 +91,18 @@ def kv_store_spec(args: argparse.Namespace):
     return list(args.kv_store) if getattr(args, "kv_store", None) else settings.kv_dir(args.home)
 
 
+MAX_CHUNK_TOKENS = 2**20  # past every packaged model's context window (32k at most) by far
+
+
 def chunk_tokens_arg(text: str) -> int:
+    """`--chunk-tokens N`: 16 to MAX_CHUNK_TOKENS tokens."""
     value = positive_int(text)
     if value < 16:
         raise argparse.ArgumentTypeError(f"must be at least 16 tokens, got {value}")
+    if value > MAX_CHUNK_TOKENS:
+        got = f"{value:,}" if value < 10**15 else f"a number of {len(str(value))} digits"
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_CHUNK_TOKENS:,} tokens (longer than any model's "
+                                         f"context window), got {got}")
     return value
 
 
