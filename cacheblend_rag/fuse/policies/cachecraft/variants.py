@@ -4,8 +4,9 @@ A variant is keyed by the chunk id and the exact tokens before it (their digest)
 KVStore as every chunk KV, under a derived chunk id in the same namespace (keys before RoPE, like all stored KV).
 Its metadata — the chunks before it (ids, in order), inter-attention to each, intra-attention, CCI (eq. 11), the
 chunk's tokens ranked by inter-attention, the usefulness f_r and its size — lives in SQLite (WAL mode, busy
-timeout; each row carries a crc32 of what was written, all but the use counts f_r and created) in the store's side-car folder (`KVStore.side_car_dir()`: the disk tier's, beside the chunk index), so
-every process serving the same store sees the same variants. A store without a folder gets a temporary database of
+timeout; each row with a crc32 of what was written, all but the use counts f_r and created) in the store's side-car
+folder (`KVStore.side_car_dir()`: the disk tier's, beside the chunk index), so every process serving the same store
+sees the same variants. A store without a folder gets a temporary database of
 its own. Cache-Craft keeps one VariantStore per chunk cache as its per-chunk state (`CacheCraft.chunk_state`,
 made by `ChunkCache.policy_state` on first use); no other module makes one.
 
