@@ -2,7 +2,8 @@
 answer in seconds (`plan`, `delete`, `prune`, `ask`, `ingest`) run in this process on a home of their own.
 
 The property: exit 0, or exit 1 or 2 with an `error:` line saying why; never a traceback, never an exception out of
-`main`, within RUN_BOUND_S, and nothing written outside the example's own folder. Profiles: tests/fuzzing.py.
+`main`, within RUN_BOUND_S, and nothing written to the ingested home it was copied from or to the repository's
+top folder (relative paths resolve in the example's own). Profiles: tests/fuzzing.py.
 """
 
 from __future__ import annotations
