@@ -103,18 +103,14 @@ MODELS = st.sampled_from(["smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct",
                           "corpus", "empty"])
 TIERS = st.sampled_from(["memory", "disk:kv2", "disk:", "redis://127.0.0.1:1/0", "memory?codec=int8",
                          "memory?codec=zstd", "nope://x", "kv3"])
-PLACED = {"--home": None, "--chroma-path": "places", "--chroma-ca-bundle": "places", "--corpus": "places",
-          "--host": HOSTS, "--chroma-host": HOSTS, "--model": MODELS, "--kv-store": TIERS}
+PLACE = st.sampled_from(PLACES)
+PLACED = {"--chroma-path": PLACE, "--chroma-ca-bundle": PLACE, "--corpus": PLACE, "--host": HOSTS,
+          "--chroma-host": HOSTS, "--model": MODELS, "--kv-store": TIERS}  # --home: the example's own, always
 
 
 def _run_values(action: argparse.Action):
     """Values for one option of a command that runs: the parser's fuzz values, with places and hosts held local."""
-    placed = PLACED.get(action.option_strings[-1], "free")
-    if placed == "places":
-        return st.sampled_from(PLACES)
-    if placed != "free":
-        return placed
-    return _values(action)
+    return PLACED.get(action.option_strings[-1]) or _values(action)
 
 
 @st.composite
@@ -124,7 +120,7 @@ def run_argv(draw) -> list[str]:
                if a.option_strings and "-h" not in a.option_strings and a.option_strings[-1] != "--home"]
     out = [command]
     if command in ("ingest", "delete"):
-        out += draw(st.lists(st.sampled_from(PLACES), min_size=1, max_size=2))
+        out += draw(st.lists(PLACE, min_size=1, max_size=2))
     elif command == "ask":
         out.append(draw(st.sampled_from(["How many eyes does a honeybee have?", "", " "]) | JUNK))
     for _ in range(draw(st.integers(0, 5))):
